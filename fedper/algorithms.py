@@ -1,0 +1,59 @@
+"""Every algorithm is one rule: which tensors are shared, which are trained locally, and when.
+
+The emulator and the agent both run an algorithm by walking its `phases`; the coordinator and the
+codec only need `shared_role`. Nothing else in the toolkit branches on the algorithm's name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Role = Literal["base", "head"]
+Trained = Literal["all", "base", "head"]
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Train the `trained` tensors for `epochs` epochs; None means the run's --local-epochs."""
+
+    trained: Trained
+    epochs: int | None = None
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    name: str
+    shared_role: Role  # the role that is aggregated and travels on the wire; the other never leaves
+    phases: tuple[Phase, ...]
+    fine_tune_head_at_eval: bool = False  # FedBABU: the head is fine-tuned on the device before it is evaluated
+    requires_kp0: bool = False
+    source: str = ""
+
+
+ALGORITHMS: dict[str, Algorithm] = {
+    a.name: a
+    for a in (
+        Algorithm("fedavg", "base", (Phase("all"),), requires_kp0=True, source="McMahan et al. 2017"),
+        Algorithm("fedper", "base", (Phase("all"),), source="Arivazhagan et al. 2019, Alg. 1-2"),
+        Algorithm("fedper-ft", "base", (Phase("head", 1), Phase("all")), source="Arivazhagan et al. 2019, A.3"),
+        Algorithm("fedbabu", "base", (Phase("base"),), fine_tune_head_at_eval=True, source="Oh et al. 2022"),
+        Algorithm("fedrep", "base", (Phase("head"), Phase("base", 1)), source="Collins et al. 2021"),
+        Algorithm("lg-fedavg", "head", (Phase("all"),), source="Liang et al. 2020"),
+    )
+}
+
+
+def get_algorithm(name: str) -> Algorithm:
+    try:
+        return ALGORITHMS[name]
+    except KeyError:
+        raise ValueError(f"unknown algorithm {name!r}; choose one of {', '.join(ALGORITHMS)}") from None
+
+
+def check_kp(algorithm: Algorithm, kp: int) -> None:
+    """FedAvg is FedPer with K_P=0; every other algorithm needs a head to keep (or to share)."""
+    if algorithm.requires_kp0 and kp != 0:
+        raise ValueError(f"{algorithm.name} shares every layer: it needs K_P=0, got K_P={kp}")
+    if not algorithm.requires_kp0 and kp == 0:
+        raise ValueError(f"{algorithm.name} needs a head: K_P must be >= 1 (K_P=0 is FedAvg)")

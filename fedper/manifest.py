@@ -1,0 +1,145 @@
+"""The manifest: the base/head split decided in models/ and written down once, in manifest.json.
+
+The exporter writes it; the agent, the coordinator, the codec and the emulator read it. The
+`shared` flag of each tensor is what may ever be serialized for the wire: it is derived here,
+once, from the tensor's role and the algorithm's shared role.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedper.algorithms import get_algorithm
+
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+
+
+class ManifestError(ValueError):
+    """A manifest that is missing, malformed, or does not match what it describes."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str  # the ONNX initializer name, equal to the PyTorch state_dict key
+    shape: tuple[int, ...]
+    dtype: str  # numpy dtype name, e.g. "float32"
+    role: str  # "base" or "head"
+    trainable: bool  # parameters True; BatchNorm running statistics False
+    shared: bool  # aggregated and sent on the wire under this manifest's algorithm
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    architecture: str
+    kp: int
+    num_classes: int
+    input_shape: tuple[int, int, int]  # C, H, W
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    width: float = 1.0
+    classes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Manifest:
+    model: ModelInfo
+    algorithm: str
+    tensors: tuple[TensorSpec, ...]
+    versions: dict[str, str] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
+    # ORT training artifact sets by what they train ("all", "head", "base") -> folder relative to the manifest
+    artifact_sets: dict[str, str] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def names(self, role: str | None = None, *, shared: bool | None = None) -> list[str]:
+        return [
+            t.name
+            for t in self.tensors
+            if (role is None or t.role == role) and (shared is None or t.shared == shared)
+        ]
+
+    def spec(self, name: str) -> TensorSpec:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    @property
+    def shared_tensors(self) -> tuple[TensorSpec, ...]:
+        return tuple(t for t in self.tensors if t.shared)
+
+    @property
+    def base_digest(self) -> str:
+        """Digest of the shared layout (names, shapes, dtypes in order): peers refuse to mix layouts."""
+        return layout_digest(self.shared_tensors)
+
+    def to_json(self) -> str:
+        body = asdict(self)
+        body["base_digest"] = self.base_digest
+        return json.dumps(body, indent=2, sort_keys=False) + "\n"
+
+    def save(self, directory: str | Path) -> Path:
+        path = Path(directory) / MANIFEST_FILE
+        path.write_text(self.to_json())
+        return path
+
+    @classmethod
+    def from_dict(cls, body: dict[str, Any]) -> Manifest:
+        try:
+            if body.get("format_version") != FORMAT_VERSION:
+                raise ManifestError(
+                    f"manifest format_version {body.get('format_version')!r} is not {FORMAT_VERSION}"
+                )
+            m = body["model"]
+            model = ModelInfo(
+                **{**m, "input_shape": tuple(m["input_shape"]), "mean": tuple(m["mean"]),
+                   "std": tuple(m["std"]), "classes": tuple(m.get("classes", ()))}
+            )
+            tensors = tuple(TensorSpec(**{**t, "shape": tuple(t["shape"])}) for t in body["tensors"])
+            manifest = cls(
+                model=model, algorithm=body["algorithm"], tensors=tensors,
+                versions=dict(body.get("versions", {})), files=dict(body.get("files", {})),
+                artifact_sets=dict(body.get("artifact_sets", {})),
+            )
+        except (KeyError, TypeError) as e:
+            raise ManifestError(f"malformed manifest: {type(e).__name__}: {e}") from None
+        get_algorithm(manifest.algorithm)
+        stated = body.get("base_digest")
+        if stated is not None and stated != manifest.base_digest:
+            raise ManifestError(f"manifest base_digest {stated} does not match its tensors ({manifest.base_digest})")
+        return manifest
+
+    @classmethod
+    def load(cls, directory: str | Path) -> Manifest:
+        path = Path(directory) / MANIFEST_FILE
+        try:
+            body = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ManifestError(f"no {MANIFEST_FILE} in {directory}: is it an export directory?") from None
+        except json.JSONDecodeError as e:
+            raise ManifestError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_dict(body)
+
+
+def layout_digest(tensors: tuple[TensorSpec, ...] | list[TensorSpec]) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(f"{t.name}:{','.join(map(str, t.shape))}:{t.dtype}\n".encode())
+    return "sha256:" + h.hexdigest()
+
+
+def is_shared(role: str, algorithm: str) -> bool:
+    return role == get_algorithm(algorithm).shared_role
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
