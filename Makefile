@@ -1,0 +1,41 @@
+# Everything a fresh machine needs: `make demo` and `make test` create .venv and install first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: install demo test lint bench mosquitto clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+# The tests run a real Mosquitto; install it when missing and we may (root), else its tests skip with a reason.
+mosquitto:
+	@if command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing mosquitto (Debian package) for the broker tests"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto >/dev/null) \
+		|| echo "could not install mosquitto: its tests will be skipped"; \
+	else echo "mosquitto is missing and we are not root: the Mosquitto tests will be skipped"; fi
+
+demo: install
+	$(BIN)/fedper-emulate run --dataset digits --model mobilenet_v1 --width 0.25 --algorithm fedper --kp 2 \
+		--clients 5 --classes-per-client 4 --rounds 5 --local-epochs 1 --batch-size 32 --out runs/demo
+
+test: install mosquitto
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest
+
+lint: install
+	$(BIN)/ruff check .
+
+bench: install
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache
