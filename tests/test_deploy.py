@@ -1,0 +1,166 @@
+"""deploy/'s Mosquitto configuration, ACL and provisioning script, exercised on a real Mosquitto.
+
+The broker runs with deploy/mosquitto/fedper.conf as shipped, only its ports and file paths
+pointed at this test's temporary folder, over TLS with a CA made here by openssl.
+"""
+
+from __future__ import annotations
+
+import getpass
+import shutil
+import socket
+import ssl
+import subprocess
+import time
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+import pytest
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+MOSQUITTO = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
+pytestmark = [
+    pytest.mark.mosquitto,
+    pytest.mark.skipif(MOSQUITTO is None, reason="mosquitto not installed (apt-get install mosquitto)"),
+    pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed"),
+]
+FLEET = "fedper/v1/lab"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_tls(folder: Path) -> None:
+    """A CA and a server certificate for 127.0.0.1, as an operator would make them."""
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)
+
+    key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    run("req", "-x509", *key, "-days", "2", "-subj", "/CN=fedper-test-ca", "-keyout", "ca.key", "-out", "ca.crt")
+    run("req", *key, "-subj", "/CN=127.0.0.1", "-keyout", "server.key", "-out", "server.csr")
+    (folder / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-days", "2",
+        "-extfile", "san.ext", "-out", "server.crt")
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("deploy")
+    make_tls(folder)
+    passwords = {}
+    for user in ("coordinator", "dev-a", "dev-b"):
+        out = subprocess.run([str(DEPLOY / "provision-device.sh"), user, str(folder / "passwd")],
+                             check=True, capture_output=True, text=True).stdout
+        passwords[user] = dict(line.split("=", 1) for line in out.split())["FEDPER_PASSWORD"]
+    shutil.copy(DEPLOY / "mosquitto" / "acl", folder / "acl")
+    port = free_port()
+    conf = []
+    for line in (DEPLOY / "mosquitto" / "fedper.conf").read_text().splitlines():
+        key = line.split(" ", 1)[0]
+        if key in ("password_file", "acl_file", "cafile", "certfile", "keyfile"):
+            line = f"{key} {folder / Path(line.split(' ', 1)[1]).name}"
+        elif key == "listener":
+            line = f"listener {port} 127.0.0.1"
+        elif key in ("persistence", "persistence_location"):
+            continue
+        conf.append(line)
+    conf.append(f"user {getpass.getuser()}")  # as root, Mosquitto would drop to `mosquitto` and lose the files
+    (folder / "mosquitto.conf").write_text("\n".join(conf) + "\n")
+    proc = subprocess.Popen([MOSQUITTO, "-c", str(folder / "mosquitto.conf")], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            if proc.poll() is not None:
+                pytest.fail(f"mosquitto exited: {proc.stdout.read().decode()}")
+            time.sleep(0.05)
+    yield {"port": port, "ca": folder / "ca.crt", "passwords": passwords}
+    proc.kill()
+    proc.wait()
+
+
+def connect(broker, user: str | None, password: str | None = None, ca: Path | None = None):
+    """Connected client and its inbox, or the CONNACK failure / TLS exception."""
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"{user or 'anon'}-{time.monotonic_ns()}")
+    inbox: list[tuple[str, bytes]] = []
+    client.on_message = lambda _c, _u, msg: inbox.append((msg.topic, msg.payload))
+    if user:
+        client.username_pw_set(user, password if password is not None else broker["passwords"][user])
+    client.tls_set(ca_certs=str(ca if ca is not None else broker["ca"]))
+    result = {}
+    client.on_connect = lambda _c, _u, _f, reason, _p: result.setdefault("rc", reason)
+    client.connect("127.0.0.1", broker["port"])
+    client.loop_start()
+    deadline = time.monotonic() + 5
+    while "rc" not in result and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return client, inbox, result.get("rc")
+
+
+def settle(inbox: list, count: int, seconds: float = 2.0) -> None:
+    deadline = time.monotonic() + seconds
+    while len(inbox) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def test_devices_write_only_their_own_topics(broker) -> None:
+    coordinator, coordinator_inbox, rc = connect(broker, "coordinator")
+    assert not rc.is_failure
+    coordinator.subscribe(f"{FLEET}/update/#", qos=1)
+    time.sleep(0.3)
+    dev_a, _, _ = connect(broker, "dev-a")
+    dev_a.publish(f"{FLEET}/update/dev-a", b"mine", qos=1).wait_for_publish(2)
+    dev_a.publish(f"{FLEET}/update/dev-b", b"forged", qos=1).wait_for_publish(2)
+    settle(coordinator_inbox, 2)
+    assert coordinator_inbox == [(f"{FLEET}/update/dev-a", b"mine")]
+    for c in (coordinator, dev_a):
+        c.loop_stop()
+        c.disconnect()
+
+
+def test_devices_read_only_what_is_meant_for_them(broker) -> None:
+    coordinator, _, _ = connect(broker, "coordinator")
+    dev_b, b_inbox, _ = connect(broker, "dev-b")
+    dev_b.subscribe(f"{FLEET}/#", qos=1)
+    time.sleep(0.3)
+    dev_a, _, _ = connect(broker, "dev-a")
+    dev_a.publish(f"{FLEET}/update/dev-a", b"a's update", qos=1).wait_for_publish(2)
+    coordinator.publish(f"{FLEET}/error/dev-a", b"for a", qos=1).wait_for_publish(2)
+    coordinator.publish(f"{FLEET}/error/dev-b", b"for b", qos=1).wait_for_publish(2)
+    coordinator.publish(f"{FLEET}/round", b"round 1", qos=1).wait_for_publish(2)
+    settle(b_inbox, 2)
+    time.sleep(0.3)
+    assert sorted(b_inbox) == [(f"{FLEET}/error/dev-b", b"for b"), (f"{FLEET}/round", b"round 1")]
+    for c in (coordinator, dev_a, dev_b):
+        c.loop_stop()
+        c.disconnect()
+
+
+def test_unauthenticated_and_wrong_password_are_refused(broker) -> None:
+    for user, password in ((None, None), ("dev-a", "not-the-password"), ("intruder", "x")):
+        client, _, rc = connect(broker, user, password)
+        assert rc is not None and rc.is_failure, (user, rc)
+        client.loop_stop()
+
+
+def test_tls_client_without_the_ca_fails(broker, tmp_path) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    make_tls(other)
+    with pytest.raises(ssl.SSLError):
+        connect(broker, "dev-a", ca=other / "ca.crt")
+
+
+def test_provisioning_rejects_ids_that_are_not_topic_safe(tmp_path) -> None:
+    result = subprocess.run([str(DEPLOY / "provision-device.sh"), "dev/+", str(tmp_path / "passwd")],
+                            capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "device id must match" in result.stderr
+    assert not (tmp_path / "passwd").exists()
