@@ -1,0 +1,206 @@
+"""Partitions of a label array into per-device index arrays: the non-IID splits of FedPer, FedBABU
+(shards) and Dirichlet(alpha), and the per-device train/test split.
+
+Every function takes a `seed` and draws from one numpy Generator, so the same inputs and seed give
+identical partitions on every machine. Returned index arrays are int64, sorted and disjoint."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from fedper.data.sources import DataError
+
+# Dirichlet resampling gives up after this many draws rather than loop forever on an infeasible min_size.
+DIRICHLET_TRIES = 1000
+
+
+def _as_labels(labels: np.ndarray | Sequence[int], what: str = "labels") -> np.ndarray:
+    y = np.asarray(labels)
+    if y.ndim != 1 or (y.size and not np.issubdtype(y.dtype, np.integer)):
+        raise DataError(f"{what} must be a 1-D integer array, got {y.dtype} {y.shape}")
+    return y.astype(np.int64, copy=False)
+
+
+def _as_indices(idx: np.ndarray | Sequence[int], n: int, device: int) -> np.ndarray:
+    arr = _as_labels(idx, f"indices of device {device}")
+    if arr.size and (arr.min() < 0 or arr.max() >= n):
+        raise DataError(f"indices of device {device} span {arr.min()}..{arr.max()}, outside 0..{n - 1}")
+    return arr
+
+
+def _concat(chunks: list[np.ndarray]) -> np.ndarray:
+    return np.sort(np.concatenate(chunks)) if chunks else np.empty(0, np.int64)
+
+
+def _check_clients(n_clients: int, n_samples: int) -> None:
+    if n_clients < 1:
+        raise DataError(f"n_clients must be >= 1, got {n_clients}")
+    if n_samples < n_clients:
+        raise DataError(f"{n_samples} samples cannot be split among {n_clients} devices")
+
+
+def split_k_classes(labels: np.ndarray | Sequence[int], n_clients: int, k: int, seed: int) -> list[np.ndarray]:
+    """The FedPer paper's split: each device samples at most k classes, and a class's samples are
+    divided equally (sizes differ by at most 1) among the devices allowed to sample it.
+
+    Allowance: with perm a seeded permutation of the C classes present, device i may sample classes
+    perm[(i*k + j) % C] for j < k. Consecutive positions on that cycle are distinct (k <= C), and
+    the n*k positions cover the cycle evenly, so every class is allowed to floor(n*k/C) or
+    ceil(n*k/C) devices. A class allowed to no device (n*k < C) is unused. A device gets fewer
+    than k classes only when a class has fewer samples than devices allowed to sample it."""
+    y = _as_labels(labels)
+    classes = np.unique(y)
+    _check_clients(n_clients, len(y))
+    if not 1 <= k <= len(classes):
+        raise DataError(f"k={k} classes per device, but the labels hold {len(classes)} classes")
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(classes)
+    allowed: dict[int, list[int]] = {int(c): [] for c in classes}
+    for i in range(n_clients):
+        for j in range(k):
+            allowed[int(perm[(i * k + j) % len(classes)])].append(i)
+    parts: list[list[np.ndarray]] = [[] for _ in range(n_clients)]
+    for c in classes:
+        devices = allowed[int(c)]
+        if not devices:
+            continue
+        members = rng.permutation(np.flatnonzero(y == c))
+        for dev, chunk in zip(rng.permutation(devices), np.array_split(members, len(devices)), strict=True):
+            parts[dev].append(chunk)
+    out = [_concat(p) for p in parts]
+    empty = [i for i, p in enumerate(out) if len(p) == 0]
+    if empty:
+        raise DataError(
+            f"{len(empty)} device(s) (e.g. {empty[:5]}) would get no samples: their classes have fewer "
+            f"samples than devices sharing them; use fewer than {n_clients} devices or a larger k than {k}"
+        )
+    return out
+
+
+def split_shards(
+    labels: np.ndarray | Sequence[int], n_clients: int, shards_per_client: int, seed: int
+) -> list[np.ndarray]:
+    """FedBABU / McMahan et al.: sort by label, cut into n_clients*shards_per_client equal shards,
+    deal each device shards_per_client of them at random. The remainder of N/(number of shards)
+    samples (at the end of the label order) is unused; ties within a class are broken at random."""
+    y = _as_labels(labels)
+    if shards_per_client < 1:
+        raise DataError(f"shards_per_client must be >= 1, got {shards_per_client}")
+    _check_clients(n_clients, len(y))
+    n_shards = n_clients * shards_per_client
+    if n_shards > len(y):
+        raise DataError(f"{n_shards} shards ({n_clients} devices x {shards_per_client}) but only {len(y)} samples")
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(y))
+    order = order[np.argsort(y[order], kind="stable")]
+    size = len(y) // n_shards
+    shards = order[: n_shards * size].reshape(n_shards, size)
+    deal = rng.permutation(n_shards).reshape(n_clients, shards_per_client)
+    return [np.sort(shards[d].ravel()) for d in deal]
+
+
+def split_dirichlet(
+    labels: np.ndarray | Sequence[int], n_clients: int, alpha: float, seed: int, min_size: int = 2
+) -> list[np.ndarray]:
+    """Per class, proportions over devices ~ Dir(alpha) (small alpha: few classes per device).
+    Whole partitions are redrawn until every device has >= min_size samples, at most
+    DIRICHLET_TRIES times. Every sample is used."""
+    y = _as_labels(labels)
+    _check_clients(n_clients, len(y))
+    if not alpha > 0 or not np.isfinite(alpha):
+        raise DataError(f"alpha must be a positive finite number, got {alpha}")
+    if min_size < 0 or min_size * n_clients > len(y):
+        raise DataError(f"min_size={min_size} for each of {n_clients} devices, but only {len(y)} samples")
+    rng = np.random.default_rng(seed)
+    by_class = [rng.permutation(np.flatnonzero(y == c)) for c in np.unique(y)]
+    for _ in range(DIRICHLET_TRIES):
+        cuts = []
+        sizes = np.zeros(n_clients, np.int64)
+        for members in by_class:
+            p = rng.dirichlet(np.full(n_clients, float(alpha)))
+            bounds = (np.cumsum(p)[:-1] * len(members)).astype(np.int64)
+            cuts.append(bounds)
+            sizes += np.diff(bounds, prepend=0, append=len(members))
+        if sizes.min() >= min_size:
+            parts: list[list[np.ndarray]] = [[] for _ in range(n_clients)]
+            for members, bounds in zip(by_class, cuts, strict=True):
+                for dev, chunk in enumerate(np.split(members, bounds)):
+                    parts[dev].append(chunk)
+            return [_concat(p) for p in parts]
+    raise DataError(
+        f"no Dirichlet(alpha={alpha}) draw in {DIRICHLET_TRIES} gave every one of {n_clients} devices "
+        f">= {min_size} of {len(y)} samples; use fewer devices, a larger alpha or a smaller min_size"
+    )
+
+
+def _test_counts(counts: np.ndarray, test_fraction: float) -> np.ndarray:
+    """Test samples per class, stratified first: each class gets floor or ceil of its quota
+    count*test_fraction, but >= 1 on each side when it has >= 2 samples (a lone sample trains).
+    Within those bounds the total is round(n*test_fraction), the ceils going to the largest
+    remainders; where the bounds forbid that total, the per-class bounds win."""
+    quota = np.round(counts * test_fraction, 9)  # so that e.g. 10*0.7 is 7, not 7.000000000000001
+    lo = np.maximum(np.floor(quota), counts >= 2).astype(np.int64)
+    hi = np.minimum(np.ceil(quota), np.maximum(counts - 1, 0)).astype(np.int64)
+    target = int(np.floor(quota.sum() + 0.5))
+    can_grow = np.flatnonzero(hi > lo)
+    grow = can_grow[np.argsort(lo[can_grow] - quota[can_grow], kind="stable")]
+    n_test = lo.copy()
+    n_test[grow[: max(0, target - int(lo.sum()))]] += 1
+    return n_test
+
+
+def split_train_test(
+    indices_per_client: Sequence[np.ndarray],
+    labels: np.ndarray | Sequence[int],
+    test_fraction: float = 0.2,
+    seed: int = 0,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each device's samples -> (train, test), stratified per class, so that train and test hold the
+    same classes wherever a class has >= 2 samples on the device (a lone sample goes to train)."""
+    y = _as_labels(labels)
+    if not 0 < test_fraction < 1:
+        raise DataError(f"test_fraction must lie strictly between 0 and 1, got {test_fraction}")
+    rng = np.random.default_rng(seed)
+    out = []
+    for dev, raw in enumerate(indices_per_client):
+        idx = _as_indices(raw, len(y), dev)
+        dev_labels = y[idx]
+        classes, counts = np.unique(dev_labels, return_counts=True)
+        train, test = [], []
+        for c, n_test in zip(classes, _test_counts(counts, test_fraction), strict=True):
+            members = rng.permutation(idx[dev_labels == c])
+            test.append(members[:n_test])
+            train.append(members[n_test:])
+        out.append((_concat(train), _concat(test)))
+    return out
+
+
+def assign_test_by_classes(
+    train_parts: Sequence[np.ndarray],
+    train_labels: np.ndarray | Sequence[int],
+    test_labels: np.ndarray | Sequence[int],
+    seed: int,
+) -> list[np.ndarray]:
+    """For a source with its own test split: each device gets test samples of exactly the classes in
+    its train part, a class's test samples divided equally (sizes differ by at most 1) among the
+    devices holding it. Test classes no device holds are unused."""
+    y_train, y_test = _as_labels(train_labels, "train_labels"), _as_labels(test_labels, "test_labels")
+    holders: dict[int, list[int]] = {}
+    for dev, raw in enumerate(train_parts):
+        for c in np.unique(y_train[_as_indices(raw, len(y_train), dev)]):
+            holders.setdefault(int(c), []).append(dev)
+    rng = np.random.default_rng(seed)
+    parts: list[list[np.ndarray]] = [[] for _ in train_parts]
+    for c in sorted(holders):
+        devices = holders[c]
+        members = rng.permutation(np.flatnonzero(y_test == c))
+        if len(members) < len(devices):
+            raise DataError(
+                f"class {c} has {len(members)} test samples but {len(devices)} devices train on it, so some "
+                f"would test without it; use fewer devices or split_train_test instead"
+            )
+        for dev, chunk in zip(rng.permutation(devices), np.array_split(members, len(devices)), strict=True):
+            parts[dev].append(chunk)
+    return [_concat(p) for p in parts]
