@@ -108,7 +108,10 @@ class Manifest:
             )
         except (KeyError, TypeError) as e:
             raise ManifestError(f"malformed manifest: {type(e).__name__}: {e}") from None
-        get_algorithm(manifest.algorithm)
+        try:
+            get_algorithm(manifest.algorithm)
+        except ValueError as e:
+            raise ManifestError(str(e)) from None
         stated = body.get("base_digest")
         if stated is not None and stated != manifest.base_digest:
             raise ManifestError(f"manifest base_digest {stated} does not match its tensors ({manifest.base_digest})")

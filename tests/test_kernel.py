@@ -24,7 +24,7 @@ def tiny():
 
 
 def test_manifest_round_trips_and_marks_roles(tiny, tmp_path) -> None:
-    model, manifest, _ = tiny
+    _, manifest, _ = tiny
     manifest.save(tmp_path)
     loaded = Manifest.load(tmp_path)
     assert loaded == manifest
@@ -42,7 +42,7 @@ def test_manifest_digest_detects_layout_change(tiny, tmp_path) -> None:
     (tmp_path / "manifest.json").write_text(json.dumps(body))
     with pytest.raises(ManifestError, match="base_digest"):
         Manifest.load(tmp_path)
-    with pytest.raises(ManifestError, match="no manifest.json"):
+    with pytest.raises(ManifestError, match=r"no manifest\.json"):
         Manifest.load(tmp_path / "nowhere")
 
 

@@ -1,0 +1,81 @@
+"""fedper-export: build ONNX Runtime training artifacts with the head marked device-local, and check them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(
+    help="Export MobileNet-v1 / ResNet-34 cut at K_P head blocks as onnxruntime-training artifacts "
+    "with a manifest marking every tensor base (shared) or head (device-local).",
+    no_args_is_help=True,
+)
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(1)
+
+
+@app.callback(invoke_without_command=True)
+def export(
+    ctx: typer.Context,
+    model: str = typer.Option(None, "--model", help="Architecture: mobilenet_v1 or resnet34."),
+    kp: int = typer.Option(None, "--kp", help="Head blocks counted from the output (1 = classifier only; 0 = FedAvg)."),
+    num_classes: int = typer.Option(None, "--num-classes", min=1, help="Number of output classes."),
+    input_size: int = typer.Option(32, "--input-size", min=32, help="Input size in pixels: 32 (CIFAR) or 224."),
+    width: float = typer.Option(1.0, "--width", help="Width multiplier (MobileNet-v1's alpha)."),
+    algorithm: str = typer.Option(
+        "fedper", "--algorithm", help="fedavg, fedper, fedper-ft, fedbabu, fedrep or lg-fedavg: decides what is shared."
+    ),
+    classes: str = typer.Option("", "--classes", help="Comma-separated class names, in label order (optional)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the initial weights (every device must start from the same)."),
+    ort_format: bool = typer.Option(False, "--ort-format", help="Also write .ort files for ORT mobile builds."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory."),
+    out: Path = typer.Option(None, "--out", help="Output directory (created; written atomically)."),
+) -> None:
+    """Export training artifacts (the default command): see the options below."""
+    if ctx.invoked_subcommand is not None:
+        return
+    missing = [flag for flag, value in (("--model", model), ("--kp", kp), ("--num-classes", num_classes),
+                                         ("--out", out)) if value is None]
+    if missing:
+        _fail(f"missing option(s) {', '.join(missing)}")
+    from rich.progress import Progress
+
+    from fedper.export.exporter import export_artifacts
+
+    names = tuple(name.strip() for name in classes.split(",") if name.strip())
+    try:
+        with Progress(transient=True) as bar:
+            task = bar.add_task("exporting", total=None)
+            manifest = export_artifacts(
+                out, model=model, kp=kp, num_classes=num_classes, input_size=input_size, width=width,
+                algorithm=algorithm, seed=seed, classes=names, ort_format=ort_format, force=force,
+                progress=lambda what, done, total: bar.update(task, description=what, completed=done, total=total),
+            )
+    except (ValueError, OSError) as e:
+        _fail(str(e))
+    from fedper.verify import summary
+
+    typer.echo(f"wrote {out}\n{summary(manifest, out)}")
+
+
+@app.command()
+def verify(directory: Path = typer.Argument(..., help="An export directory (holds manifest.json).")) -> None:
+    """Check an export directory against its manifest: checksums, tensor names, shapes, roles, digest."""
+    from fedper.manifest import Manifest
+    from fedper.verify import summary
+    from fedper.verify import verify as check
+
+    problems = check(directory)
+    if problems:
+        for line in problems:
+            typer.echo(f"MISMATCH: {line}", err=True)
+        _fail(f"{directory} does not match its manifest ({len(problems)} problem(s))")
+    typer.echo(f"OK {directory}\n{summary(Manifest.load(directory), directory)}")
+
+
+def main() -> None:
+    app()
