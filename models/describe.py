@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from fedper.models.blocknet import BlockNet
-from fedper.models.split import split
 
 from fedper.algorithms import check_kp, get_algorithm
 from fedper.manifest import Manifest, ModelInfo, TensorSpec, is_shared
+from fedper.models.blocknet import BlockNet
+from fedper.models.split import split
 
 # ImageNet statistics: the normalization the agent applies to uint8 images before the model sees them.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)

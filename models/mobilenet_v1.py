@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from fedper.models.blocknet import BlockNet
 from torch import nn
+
+from fedper.models.blocknet import BlockNet
 
 # (output channels at width 1.0, stride) of the 13 depthwise-separable blocks, from the paper's Table 1.
 BLOCKS: tuple[tuple[int, int], ...] = (

@@ -6,9 +6,10 @@ parameter count; only the parameter names differ (stem.*, blocks.i.*, classifier
 
 from __future__ import annotations
 
-from fedper.models.blocknet import BlockNet
 from torch import nn
 from torchvision.models.resnet import BasicBlock
+
+from fedper.models.blocknet import BlockNet
 
 # (blocks, planes at width 1.0, first stride) of ResNet-34's four stages.
 STAGES: tuple[tuple[int, int, int], ...] = ((3, 64, 1), (4, 128, 2), (6, 256, 2), (3, 512, 2))
