@@ -62,3 +62,74 @@ def weighted_mean(updates: list[tuple[Mapping[str, Tensor], float]]) -> dict[str
     for tensors, n in updates:
         rule.add(tensors, n)
     return rule.result()
+
+
+# ---------------------------------------------------------------- robust rules and clipping
+# These need every update of a round at once: memory is O(devices x model) (kept in RAM, nothing
+# spilled to disk). They ignore n_samples on purpose: a robust rule must not let one device's
+# claimed sample count outweigh the others. They work on numpy arrays only (the coordinator's path).
+
+import numpy as np  # noqa: E402  (the rules above stay numpy/torch-agnostic; these are numpy-only)
+
+
+def _stack(updates: list[Mapping[str, Any]], name: str) -> Any:
+    return np.stack([np.asarray(u[name], dtype=np.float64) for u in updates])
+
+
+class _Collect:
+    """Keeps the round's updates; subclasses reduce them coordinate-wise."""
+
+    def __init__(self) -> None:
+        self._updates: list[Mapping[str, Any]] = []
+        self.total_weight = 0.0
+        self.count = 0
+
+    def add(self, tensors: Mapping[str, Any], n_samples: float) -> None:
+        if n_samples <= 0:
+            raise ValueError(f"an update needs a positive sample count, got {n_samples}")
+        if self._updates and set(tensors) != set(self._updates[0]):
+            raise ValueError("update layout differs from the first update's")
+        self._updates.append(dict(tensors))
+        self.total_weight += float(n_samples)
+        self.count += 1
+
+    def result(self) -> dict[str, Any]:
+        if not self.count:
+            raise ValueError("no update to aggregate")
+        first = self._updates[0]
+        return {name: self._reduce(_stack(self._updates, name)).astype(first[name].dtype) for name in first}
+
+    def _reduce(self, stacked: Any) -> Any:
+        raise NotImplementedError
+
+
+class CoordinateMedian(_Collect):
+    """Coordinate-wise median (Yin et al. 2018): robust to a minority of arbitrary updates."""
+
+    def _reduce(self, stacked: Any) -> Any:
+        return np.median(stacked, axis=0)
+
+
+class TrimmedMean(_Collect):
+    """Coordinate-wise mean after dropping the `trim` fraction of largest and of smallest values."""
+
+    def __init__(self, trim: float = 0.2) -> None:
+        if not 0 <= trim < 0.5:
+            raise ValueError(f"trim must be in [0, 0.5), got {trim}")
+        super().__init__()
+        self.trim = trim
+
+    def _reduce(self, stacked: Any) -> Any:
+        k = int(self.trim * len(stacked))
+        ordered = np.sort(stacked, axis=0)
+        return ordered[k : len(stacked) - k].mean(axis=0)
+
+
+def clip_update(tensors: Mapping[str, Any], reference: Mapping[str, Any], max_norm: float) -> dict[str, Any]:
+    """Scale the update (tensors - reference) down to an L2 norm of at most max_norm (over all tensors)."""
+    deltas = {n: np.asarray(tensors[n], dtype=np.float64) - np.asarray(reference[n], dtype=np.float64) for n in tensors}
+    norm = float(np.sqrt(sum(float((d * d).sum()) for d in deltas.values())))
+    scale = 1.0 if norm <= max_norm else max_norm / norm
+    return {
+        n: (np.asarray(reference[n], dtype=np.float64) + deltas[n] * scale).astype(tensors[n].dtype) for n in tensors
+    }

@@ -1,0 +1,66 @@
+"""The zero-setup broker: amqtt (pure Python, MQTT 3.1.1) in a thread with its own asyncio loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any
+
+log = logging.getLogger("fedper.coordinator")
+logging.getLogger("amqtt").setLevel(logging.ERROR)  # its shutdown chatter is not ours to show
+
+
+class EmbeddedBroker:
+    """amqtt's broker on host:port, anonymous, for one-machine use (no TLS, no ACLs: not for a real fleet)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 1883) -> None:
+        self.host, self.port = host, port
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._broker: Any = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+
+    def start(self, timeout: float = 10.0) -> EmbeddedBroker:
+        self._thread = threading.Thread(target=self._run, name="amqtt-broker", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise RuntimeError(f"the embedded broker did not start on {self.host}:{self.port} in {timeout} s")
+        if self._error is not None:
+            raise RuntimeError(f"the embedded broker failed on {self.host}:{self.port}: {self._error}")
+        log.info("embedded amqtt broker listening on %s:%d", self.host, self.port)
+        return self
+
+    def _run(self) -> None:
+        from amqtt.broker import Broker
+
+        self._loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self._loop)
+        config = {
+            "listeners": {"default": {"type": "tcp", "bind": f"{self.host}:{self.port}"}},
+            "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}},
+        }
+        try:
+            self._broker = Broker(config, loop=self._loop)
+            self._loop.run_until_complete(self._broker.start())
+        except BaseException as e:  # reported to start()'s caller
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        self._loop.run_forever()
+
+    def stop(self) -> None:
+        if self._loop is None or self._broker is None:
+            return
+        asyncio.run_coroutine_threadsafe(self._broker.shutdown(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._thread:
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> EmbeddedBroker:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,127 @@
+"""fedper-coordinator: the MQTT service that runs FedPer rounds for a fleet of devices."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+
+if TYPE_CHECKING:
+    from fedper.coordinator.engine import Coordinator
+    from fedper.mqtt import BrokerUrl
+
+app = typer.Typer(help="Run federated rounds over MQTT: register devices, aggregate base updates.",
+                  no_args_is_help=True)
+
+
+@app.callback(invoke_without_command=True)
+def run(
+    artifacts: Path = typer.Option(..., help="Export directory: manifest.json and base.safetensors."),
+    fleet: str = typer.Option(..., help="Fleet name: topics live under fedper/v1/<fleet>/."),
+    rounds: int = typer.Option(..., min=1, help="Number of rounds to run."),
+    min_clients: int = typer.Option(1, min=1, help="Updates a round needs before its deadline may close it."),
+    round_timeout: float = typer.Option(60.0, min=0.1, help="Seconds a round waits for every registered device."),
+    state_dir: Path = typer.Option(..., help="Checkpoints, metrics.jsonl and final.safetensors; resumed from."),
+    broker: str = typer.Option("", help="External broker URL, mqtt://host:1883 or mqtts://host:8883."),
+    embedded_broker: bool = typer.Option(False, help="Run amqtt's broker in this process on 127.0.0.1:--port."),
+    port: int = typer.Option(1883, help="Port of the embedded broker."),
+    mqtt_version: str = typer.Option("5", help="MQTT protocol: 5 or 3.1.1 (the embedded broker speaks 3.1.1)."),
+    username: str = typer.Option(None, help="Broker user name."),
+    password: str = typer.Option(None, help="Broker password.", envvar="FEDPER_MQTT_PASSWORD"),
+    tls_ca: Path = typer.Option(None, help="CA certificate (PEM) to verify the broker with; implies TLS."),
+    chunk_size: int = typer.Option(63 * 1024, min=1, help="Bytes of tensor data per MQTT message."),
+    aggregator: str = typer.Option("mean", help="mean (n_j-weighted, streaming), median or trimmed-mean."),
+    clip_norm: float = typer.Option(None, min=0.0, help="Clip each update's L2 distance to the model to this."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every accepted update."),
+) -> None:
+    """Serve rounds until --rounds are done; resumes from --state-dir after a restart."""
+    from fedper.artifacts import BASE_FILE
+    from fedper.coordinator.engine import AGGREGATORS, Config, Coordinator
+    from fedper.coordinator.service import BrokerRefused
+    from fedper.coordinator.store import CheckpointError, Store
+    from fedper.manifest import Manifest, ManifestError
+    from fedper.mqtt import PROTOCOLS, BrokerUrl, parse_broker_url
+    from fedper.tensors import TensorError, unpack_shared
+    from fedper.wire import Topics, WireError
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
+    logging.getLogger("fedper.coordinator").setLevel(logging.DEBUG if verbose else logging.INFO)
+    try:
+        if embedded_broker == bool(broker):
+            raise ValueError("give exactly one of --broker URL or --embedded-broker")
+        if aggregator not in AGGREGATORS:
+            raise ValueError(f"--aggregator {aggregator!r}: choose one of {', '.join(AGGREGATORS)}")
+        if mqtt_version not in PROTOCOLS:
+            raise ValueError(f"--mqtt-version {mqtt_version!r}: choose one of {', '.join(PROTOCOLS)}")
+        manifest = Manifest.load(artifacts)
+        base_path = artifacts / BASE_FILE
+        if not base_path.exists():
+            raise ValueError(f"no {BASE_FILE} in {artifacts}: is it an export directory?")
+        initial = unpack_shared(manifest, base_path.read_bytes())
+        url = BrokerUrl("127.0.0.1", port, False) if embedded_broker else parse_broker_url(broker)
+        config = Config(rounds, min_clients, round_timeout, chunk_size, aggregator, clip_norm)
+        coordinator = Coordinator(manifest, initial, Topics(fleet), config, Store(state_dir))
+    except (ValueError, KeyError, OSError, ManifestError, TensorError, WireError, CheckpointError) as e:
+        typer.echo(f"fedper-coordinator: {e}", err=True)
+        raise typer.Exit(2) from None
+
+    embedded = None
+    if embedded_broker:
+        from fedper.coordinator.broker import EmbeddedBroker
+
+        try:
+            embedded = EmbeddedBroker("127.0.0.1", port).start()
+        except RuntimeError as e:
+            typer.echo(f"fedper-coordinator: {e}", err=True)
+            raise typer.Exit(2) from None
+        mqtt_version = "3.1.1"
+    try:
+        _serve(coordinator, url, mqtt_version, username, password, str(tls_ca) if tls_ca else None)
+    except CheckpointError as e:
+        typer.echo(f"fedper-coordinator: {e}; stopped with the last checkpoint intact, rerun to resume", err=True)
+        raise typer.Exit(1) from None
+    except BrokerRefused as e:
+        typer.echo(f"fedper-coordinator: {e}", err=True)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        typer.echo("interrupted: state is checkpointed, run the same command to resume", err=True)
+        raise typer.Exit(130) from None
+    finally:
+        if embedded:
+            embedded.stop()
+    typer.echo(f"done: {coordinator.config.rounds} round(s); final model in {state_dir / 'final.safetensors'}")
+
+
+def _serve(coordinator: Coordinator, url: BrokerUrl, protocol: str, username: str | None, password: str | None,
+           tls_ca: str | None) -> None:
+    """The service with a rich progress bar: rounds done, and updates accepted in the open round."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from fedper.coordinator.service import run_service
+
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[info]}"), TimeElapsedColumn())
+    with Progress(*columns) as progress:
+        rounds = progress.add_task("rounds", total=coordinator.config.rounds, info="")
+        updates = progress.add_task("updates", total=None, info="")
+
+        def show(c: Coordinator) -> None:
+            done = c.round.number - (0 if c.finished else 1)
+            progress.update(rounds, completed=done, info=f"round {c.round.number}")
+            rejected = sum(v for k, v in c.counters.items() if k != "accepted")
+            progress.update(updates, completed=len(c.round.folded), total=max(len(c.registered), 1),
+                            info=f"{len(c.registered)} registered, {len(c.online)} online, {rejected} rejected")
+
+        run_service(coordinator, url, protocol=protocol, username=username, password=password, tls_ca=tls_ca,
+                    on_tick=show)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,387 @@
+"""The coordinator's round logic: a state machine fed with decoded MQTT messages and the time.
+
+No I/O but its state directory: `handle(topic, payload, now)` and `tick(now)` return the
+messages to publish, so tests and fuzzers drive it directly and the paho loop stays thin.
+Each accepted update is folded into the running aggregate at once and checkpointed, so memory
+is O(model) for the weighted mean and a restart loses no accepted update.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fedper.aggregation import CoordinateMedian, TrimmedMean, WeightedMean, clip_update
+from fedper.coordinator.store import FINAL_FILE, CheckpointError, Store
+from fedper.manifest import Manifest
+from fedper.tensors import pack_shared, unpack_shared
+from fedper.wire import (
+    DEFAULT_CHUNK_SIZE,
+    ErrorMessage,
+    Reassembler,
+    Register,
+    RoundInfo,
+    Topics,
+    WireError,
+    decode_chunk,
+    decode_tensors,
+    decode_update_meta,
+    max_shared_blob_size,
+    model_frames,
+)
+
+log = logging.getLogger("fedper.coordinator")
+
+AGGREGATORS: dict[str, Callable[[], Any]] = {
+    "mean": WeightedMean,
+    "median": CoordinateMedian,
+    "trimmed-mean": TrimmedMean,
+}
+MAX_REJECTED_KEYS = 10_000
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    topic: str
+    payload: bytes
+    retain: bool = False
+    qos: int = 1
+    broadcast: bool = False  # part of a round's model broadcast (timed by the I/O layer)
+
+
+@dataclass(frozen=True)
+class Config:
+    rounds: int
+    min_clients: int
+    round_timeout: float
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    aggregator: str = "mean"
+    clip_norm: float | None = None
+    max_open_blobs: int = 64
+    state_interval: float = 0.5  # at most one state message per this many seconds, when something changed
+
+
+@dataclass
+class _Round:
+    """What a restart must not lose about the open round."""
+
+    number: int
+    folded: dict[str, dict[str, Any]] = field(default_factory=dict)  # device -> {n_samples, metrics}
+    bytes_received: int = 0
+    extensions: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+
+
+class Coordinator:
+    def __init__(self, manifest: Manifest, initial: Mapping[str, np.ndarray], topics: Topics, config: Config,
+                 store: Store) -> None:
+        if config.aggregator not in AGGREGATORS:
+            raise ValueError(f"unknown aggregator {config.aggregator!r}; choose one of {', '.join(AGGREGATORS)}")
+        if config.rounds < 1 or config.min_clients < 1:
+            raise ValueError("rounds and min_clients must be >= 1")
+        self.manifest, self.topics, self.config, self.store = manifest, topics, config, store
+        self.digest = manifest.base_digest
+        self.model = unpack_shared(manifest, pack_shared(manifest, initial))  # validated copy
+        self.registered: dict[str, dict[str, Any]] = {}
+        self.counters: Counter[str] = Counter()
+        self.round = _Round(1)
+        self.finished = False
+        self.online: set[str] = set()
+        self._aggregator: Any = AGGREGATORS[config.aggregator]()
+        self._reassembler = Reassembler(max_shared_blob_size(manifest), config.max_open_blobs)
+        self._rejected: set[tuple[str, str]] = set()
+        self._deadline = 0.0
+        self._opened_at = 0.0
+        self._broadcast_s = 0.0
+        self._model_blob: tuple[str, bytes, list[bytes]] | None = None
+        self._published_blob: tuple[str, int] | None = None  # retained chunks to clear when the model changes
+        self._state_dirty = True
+        self._last_state = -1e18
+        self._files: dict[str, Any] = {}
+        saved = store.load_state()
+        if saved is not None:
+            self._resume(saved)
+
+    # ------------------------------------------------------------ life cycle
+
+    def start(self, now: float) -> list[Outgoing]:
+        """Open the current round (round 1 on a fresh state directory) and announce it."""
+        if "model" not in self._files:
+            self._files["model"] = self.store.write_tensors("model-r1.safetensors", self.model)
+            self._commit()
+        self._opened_at = now
+        self._deadline = now + self.config.round_timeout
+        return self.announce(now)
+
+    def _resume(self, saved: dict[str, Any]) -> None:
+        """Pick up the checkpoint of an earlier run in the same state directory."""
+        if saved.get("base_digest") != self.digest:
+            raise ValueError(f"{self.store.dir} holds the state of a run with another export (base_digest "
+                             f"{saved.get('base_digest')}): use a fresh --state-dir")
+        self.model = unpack_shared(self.manifest, pack_shared(self.manifest, self.store.read_tensors(saved["model"])))
+        self._files["model"] = saved["model"]
+        self.registered = saved["registered"]
+        self.counters = Counter(saved["counters"])
+        self.finished = saved["finished"]
+        r = saved["round"]
+        self.round = _Round(r["number"], r["folded"], r["bytes_received"], r["extensions"], Counter(r["rejected"]))
+        if saved.get("partial"):
+            self._files["partial"] = saved["partial"]
+            self._aggregator.add(self.store.read_tensors(saved["partial"]), saved["partial_weight"])
+        for device, blob_name in saved.get("updates", {}).items():
+            self._files.setdefault("updates", {})[device] = blob_name
+            tensors = decode_tensors(self.manifest, self.store.read_bytes(blob_name))
+            self._aggregator.add(self._prepared(tensors), self.round.folded[device]["n_samples"])
+        log.info("resumed from %s: round %d of %d, %d update(s) already accepted, %d device(s) registered",
+                 self.store.dir, self.round.number, self.config.rounds, len(self.round.folded), len(self.registered))
+
+    def announce(self, now: float) -> list[Outgoing]:
+        """Everything a device needs to join now (also after a broker restart lost retained messages)."""
+        return [*self._model_messages(), self._round_message(), self.state_message(now)]
+
+    # ------------------------------------------------------------ input
+
+    def handle(self, topic: str, payload: bytes, now: float) -> list[Outgoing]:
+        """One incoming message; a bad one is logged, counted and answered. Raises only CheckpointError."""
+        device = None
+        try:
+            kind, device = self.topics.parse(topic)
+            if kind == "register":
+                return self._on_register(device, payload)
+            if kind == "presence":
+                self._on_presence(device, payload)
+                return []
+            return self._on_update(device, payload, now)
+        except WireError as e:
+            return self._reject(device, e.code, str(e))
+        except CheckpointError:
+            raise  # the service must stop unacknowledged: the broker redelivers to the restarted one
+        except Exception as e:  # a bug must cost one message, never the service
+            log.exception("internal error on a message from %s", device)
+            return self._reject(device, "internal_error", f"{type(e).__name__}: {e}", answer=False)
+
+    def tick(self, now: float) -> list[Outgoing]:
+        """Close the round when it is complete or its deadline has passed with a quorum."""
+        out: list[Outgoing] = []
+        if not self.finished:
+            done = len(self.round.folded)
+            everyone = self.registered.keys() <= self.round.folded.keys()
+            if done >= self.config.min_clients and (everyone or now >= self._deadline):
+                out += self._close_round(now)
+            elif now >= self._deadline:
+                self.round.extensions += 1
+                self._deadline = now + self.config.round_timeout
+                log.warning("round %d: deadline passed with %d/%d update(s), fewer than --min-clients %d: "
+                            "waiting %.1f s more (extension %d)", self.round.number, done, len(self.registered),
+                            self.config.min_clients, self.config.round_timeout, self.round.extensions)
+                out.append(self._round_message())
+                self._state_dirty = True
+        if self._state_dirty and now - self._last_state >= self.config.state_interval:
+            out.append(self.state_message(now))
+        return out
+
+    def note_broadcast(self, seconds: float) -> None:
+        self._broadcast_s += seconds
+
+    # ------------------------------------------------------------ messages
+
+    def _on_register(self, device: str, payload: bytes) -> list[Outgoing]:
+        if not payload:  # the device cleared its retained registration: it left the fleet
+            if self.registered.pop(device, None) is not None:
+                log.info("unregistered %s", device)
+                self._commit()
+            return []
+        msg = Register.decode(payload)
+        if msg.base_digest != self.digest:
+            raise WireError("digest_mismatch", f"manifest base_digest {msg.base_digest} is not the coordinator's "
+                            f"{self.digest}: use the same export")
+        if msg.n_samples < 1:
+            raise WireError("bad_message", f"n_samples must be >= 1, got {msg.n_samples}")
+        entry = {"n_samples": msg.n_samples, "software": msg.software}
+        if self.registered.get(device) != entry:
+            log.info("registered %s: %d samples, software %s", device, msg.n_samples, msg.software)
+            self.registered[device] = entry
+            self._commit()
+        return []
+
+    def _on_presence(self, device: str, payload: bytes) -> None:
+        status = bytes(payload).decode("utf-8", "replace")
+        (self.online.add if status == "online" else self.online.discard)(device)
+        self._state_dirty = True
+
+    def _on_update(self, device: str, payload: bytes, now: float) -> list[Outgoing]:
+        self.round.bytes_received += len(payload)
+        chunk = decode_chunk(payload)  # its declared size is checked below, once per blob
+        key = (device, chunk.blob_id)
+        if key in self._rejected:
+            return []  # the rest of a blob already refused (and answered) once
+        try:
+            if device not in self.registered:
+                raise WireError("unknown_device", f"{device} has not registered: publish register/{device} first")
+            meta = decode_update_meta(chunk.meta)
+            if meta.round != self.round.number:
+                raise WireError("late_update", f"update for round {meta.round}, but round {self.round.number} is open")
+            if device in self.round.folded:
+                raise WireError("duplicate_update", f"round {meta.round} update already accepted from {device}")
+            if meta.base_digest != self.digest:
+                raise WireError("digest_mismatch", f"update base_digest {meta.base_digest} is not {self.digest}")
+            if meta.n_samples < 1:
+                raise WireError("rejected", f"n_samples must be >= 1, got {meta.n_samples}")
+            blob = self._reassembler.add(device, chunk)
+            if blob is None:
+                return []
+            tensors = decode_tensors(self.manifest, blob.data)
+        except WireError:
+            self._remember_rejected(key)
+            self._reassembler.discard(device)
+            raise
+        self._fold(device, tensors, blob.data, meta.n_samples, meta.metrics)
+        return []
+
+    def _fold(self, device: str, tensors: dict[str, np.ndarray], blob: bytes, n_samples: int,
+              metrics: dict[str, float]) -> None:
+        k = self.round.number
+        self._aggregator.add(self._prepared(tensors), n_samples)
+        self.round.folded[device] = {"n_samples": n_samples, "metrics": metrics}
+        if isinstance(self._aggregator, WeightedMean):
+            partial = self._aggregator.result()  # float64 in, float64 out: exact to 1e-16 on resume
+            self._files["partial"] = self.store.write_tensors(f"partial-r{k}-{len(self.round.folded)}.safetensors",
+                                                              partial)
+        else:
+            name = self.store.write_bytes(f"update-r{k}-{device}.safetensors", blob)
+            self._files.setdefault("updates", {})[device] = name
+        self.counters["accepted"] += 1
+        self._commit()
+        log.debug("round %d: accepted %s (%d samples, accuracy %s) [%d/%d]", k, device, n_samples,
+                 metrics.get("accuracy", "n/a"), len(self.round.folded), len(self.registered))
+
+    def _prepared(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Clipped (with --clip-norm) against the round's base, in float64 so a resumed sum is exact."""
+        if self.config.clip_norm is not None:
+            tensors = clip_update(tensors, self.model, self.config.clip_norm)
+        return {n: v.astype(np.float64) for n, v in tensors.items()}
+
+    def _reject(self, device: str | None, code: str, message: str, answer: bool = True) -> list[Outgoing]:
+        self.counters[code] += 1
+        self.round.rejected[code] += 1
+        self._state_dirty = True
+        log.warning("rejected %s from %s: %s", code, device or "?", message)
+        if device is None or not answer:
+            return []
+        error = ErrorMessage(code, message, self.round.number)
+        return [Outgoing(self.topics.error(device), error.encode())]
+
+    def _remember_rejected(self, key: tuple[str, str]) -> None:
+        if len(self._rejected) >= MAX_REJECTED_KEYS:
+            self._rejected.clear()
+        self._rejected.add(key)
+
+    # ------------------------------------------------------------ rounds
+
+    def _close_round(self, now: float) -> list[Outgoing]:
+        started = time.perf_counter()
+        result = self._aggregator.result()
+        self.model = {t.name: result[t.name].astype(t.dtype) for t in self.manifest.shared_tensors}
+        aggregate_s = time.perf_counter() - started
+        closed = self.round
+        record = self._metrics(closed, now, aggregate_s)
+        self.finished = closed.number >= self.config.rounds
+        self.round = _Round(closed.number if self.finished else closed.number + 1)
+        self._aggregator = AGGREGATORS[self.config.aggregator]()
+        self._reassembler.discard()
+        self._rejected.clear()
+        self._files = {"model": self.store.write_tensors(f"model-r{closed.number + 1}.safetensors", self.model)}
+        if self.finished:
+            self.store.write_tensors(FINAL_FILE, self.model)
+        self._commit()
+        self.store.append_metrics(record)
+        log.info("round %d closed: %d participant(s), %d samples, accuracy %.4f ± %.4f, %.1f KiB received",
+                 closed.number, record["participants"], record["n_samples"], record["accuracy_mean"] or 0.0,
+                 record["accuracy_std"] or 0.0, record["bytes_received"] / 1024)
+        self._opened_at, self._deadline, self._broadcast_s = now, now + self.config.round_timeout, 0.0
+        self._model_blob = None
+        return self.announce(now)
+
+    def _metrics(self, closed: _Round, now: float, aggregate_s: float) -> dict[str, Any]:
+        accuracies = [d["metrics"]["accuracy"] for d in closed.folded.values() if "accuracy" in d["metrics"]]
+        return {
+            "round": closed.number,
+            "participants": len(closed.folded),
+            "devices": sorted(closed.folded),
+            "registered": len(self.registered),
+            "n_samples": sum(d["n_samples"] for d in closed.folded.values()),
+            "accuracy_mean": float(np.mean(accuracies)) if accuracies else None,
+            "accuracy_std": float(np.std(accuracies)) if accuracies else None,
+            "bytes_received": closed.bytes_received,
+            "broadcast_s": round(self._broadcast_s, 4),
+            "collect_s": round(now - self._opened_at, 4),
+            "aggregate_s": round(aggregate_s, 4),
+            "deadline_extensions": closed.extensions,
+            "rejected": dict(closed.rejected),
+            "time": now,
+        }
+
+    def _commit(self) -> None:
+        r = self.round
+        self.store.commit({
+            "round": {"number": r.number, "folded": r.folded, "bytes_received": r.bytes_received,
+                      "extensions": r.extensions, "rejected": dict(r.rejected)},
+            "model": self._files["model"],
+            "partial": self._files.get("partial"),
+            "partial_weight": getattr(self._aggregator, "total_weight", 0.0),
+            "updates": self._files.get("updates", {}),
+            "registered": self.registered,
+            "counters": dict(self.counters),
+            "finished": self.finished,
+            "base_digest": self.digest,
+        })
+        self._state_dirty = True
+
+    # ------------------------------------------------------------ outgoing
+
+    @property
+    def blob_id(self) -> str:
+        return "final" if self.finished else f"r{self.round.number}"
+
+    def _model_messages(self) -> list[Outgoing]:
+        blob_id = self.blob_id
+        if self._model_blob is None or self._model_blob[0] != blob_id:
+            blob, frames = model_frames(self.manifest, self.model, blob_id, self.round.number, self.config.chunk_size)
+            self._model_blob = (blob_id, blob, frames)
+        out = []
+        if self._published_blob and self._published_blob[0] != blob_id:  # clear the old round's retained chunks
+            old_id, old_count = self._published_blob
+            out += [Outgoing(self.topics.model(old_id, i), b"", retain=True) for i in range(old_count)]
+        frames = self._model_blob[2]
+        self._published_blob = (blob_id, len(frames))
+        out += [Outgoing(self.topics.model(blob_id, i), f, retain=True, broadcast=True) for i, f in enumerate(frames)]
+        return out
+
+    def _round_message(self) -> Outgoing:
+        blob_id, blob, frames = self._model_blob or (None, b"", [])
+        info = RoundInfo(
+            round=self.round.number, rounds=self.config.rounds, state="finished" if self.finished else "open",
+            deadline=self._deadline, blob_id=str(blob_id), size=len(blob), sha256=hashlib.sha256(blob).hexdigest(),
+            count=len(frames), base_digest=self.digest,
+        )
+        return Outgoing(self.topics.round, info.encode(), retain=True)
+
+    def state(self, now: float) -> dict[str, Any]:
+        return {
+            "v": 1, "status": "finished" if self.finished else "online", "round": self.round.number,
+            "rounds": self.config.rounds, "deadline": self._deadline, "registered": len(self.registered),
+            "online": len(self.online), "accepted_this_round": len(self.round.folded),
+            "min_clients": self.config.min_clients, "counters": dict(self.counters), "time": now,
+        }
+
+    def state_message(self, now: float) -> Outgoing:
+        self._state_dirty, self._last_state = False, now
+        return Outgoing(self.topics.state, json.dumps(self.state(now), separators=(",", ":")).encode(), retain=True)

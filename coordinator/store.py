@@ -1,0 +1,93 @@
+"""The coordinator's state directory: atomic files, and state.json as the single commit point.
+
+Every file is written to a temporary name, fsynced and renamed (os.replace), then the directory
+is fsynced. Tensor files get a new name per version and state.json, written last, says which
+ones are current, so a kill at any instant leaves either the old or the new checkpoint whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+STATE_FILE = "state.json"
+METRICS_FILE = "metrics.jsonl"
+FINAL_FILE = "final.safetensors"
+
+
+class CheckpointError(RuntimeError):
+    """The state directory could not be written (e.g. disk full): the previous checkpoint is intact."""
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"cannot write {path}: {e}") from e
+
+
+class Store:
+    def __init__(self, directory: str | Path) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def load_state(self) -> dict[str, Any] | None:
+        path = self.dir / STATE_FILE
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def commit(self, state: dict[str, Any]) -> None:
+        """Make `state` current, then delete tensor files it no longer names."""
+        atomic_write(self.dir / STATE_FILE, json.dumps(state, indent=1).encode())
+        keep = {v for v in _file_refs(state)}
+        for path in self.dir.glob("*.safetensors"):
+            if path.name not in keep and path.name != FINAL_FILE:
+                path.unlink(missing_ok=True)
+
+    def write_tensors(self, name: str, tensors: dict[str, np.ndarray]) -> str:
+        atomic_write(self.dir / name, st_save(tensors))
+        return name
+
+    def write_bytes(self, name: str, data: bytes) -> str:
+        atomic_write(self.dir / name, data)
+        return name
+
+    def read_tensors(self, name: str) -> dict[str, np.ndarray]:
+        return st_load((self.dir / name).read_bytes())
+
+    def read_bytes(self, name: str) -> bytes:
+        return (self.dir / name).read_bytes()
+
+    def append_metrics(self, record: dict[str, Any]) -> None:
+        try:
+            with open(self.dir / METRICS_FILE, "a") as f:
+                f.write(json.dumps(record) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise CheckpointError(f"cannot append to {self.dir / METRICS_FILE}: {e}") from e
+
+
+def _file_refs(state: dict[str, Any]) -> list[str]:
+    """Every *.safetensors name that a state mentions, however deep."""
+    if isinstance(state, dict):
+        return [r for v in state.values() for r in _file_refs(v)]
+    if isinstance(state, list):
+        return [r for v in state for r in _file_refs(v)]
+    return [state] if isinstance(state, str) and state.endswith(".safetensors") else []

@@ -1,0 +1,261 @@
+"""The coordinator's round state machine, driven directly with protocol messages and a fake clock."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from vectors.make_vectors import tiny_manifest, tiny_tensors
+
+from fedper.coordinator.engine import Config, Coordinator
+from fedper.coordinator.store import Store
+from fedper.wire import ErrorMessage, Register, RoundInfo, Topics, UpdateMeta, chunk, update_frames
+
+MANIFEST = tiny_manifest()
+TOPICS = Topics("lab")
+
+
+def make(tmp_path: Path, **config) -> Coordinator:  # type: ignore[no-untyped-def]
+    settings = {"rounds": 2, "min_clients": 2, "round_timeout": 10.0, "chunk_size": 50, **config}
+    return Coordinator(MANIFEST, tiny_tensors(), TOPICS, Config(**settings), Store(tmp_path))
+
+
+def register(c: Coordinator, device: str, n: int, digest: str = MANIFEST.base_digest) -> list:
+    return c.handle(TOPICS.register(device), Register(n, digest, "test/1").encode(), 0.0)
+
+
+def send(c: Coordinator, device: str, tensors: dict, n: int, round_: int | None = None, blob_id: str = "u",
+         digest: str = MANIFEST.base_digest, now: float = 1.0) -> list:
+    meta = UpdateMeta(c.round.number if round_ is None else round_, n, digest, {"accuracy": n / 100})
+    out = []
+    for frame in update_frames(MANIFEST, tensors, meta, blob_id, chunk_size=40):
+        out += c.handle(TOPICS.update(device), frame, now)
+    return out
+
+
+def errors(out: list) -> list[str]:
+    return [ErrorMessage.decode(m.payload).code for m in out if "/error/" in m.topic]
+
+
+def shifted(delta: float) -> dict[str, np.ndarray]:
+    return {k: (v + np.float32(delta)).astype(np.float32) for k, v in tiny_tensors().items()}
+
+
+def test_round_aggregates_n_weighted_and_checkpoints(tmp_path: Path) -> None:
+    c = make(tmp_path)
+    out = c.start(0.0)
+    info = RoundInfo.decode(next(m.payload for m in out if m.topic == TOPICS.round))
+    assert (info.round, info.state, info.blob_id) == (1, "open", "r1")
+    model_chunks = [m for m in out if "/model/r1/" in m.topic]
+    assert len(model_chunks) == info.count > 1 and all(m.retain for m in model_chunks)
+    register(c, "a", 10)
+    register(c, "b", 30)
+    assert send(c, "a", shifted(1.0), 10) == [] and c.tick(2.0)[0].topic == TOPICS.state  # still waiting for b
+    send(c, "b", shifted(3.0), 30)
+    out = c.tick(3.0)
+    assert c.round.number == 2
+    expected = {k: (v * 10 + shifted(3.0)[k] * 30) / 40 for k, v in shifted(1.0).items()}
+    for name, value in expected.items():
+        np.testing.assert_allclose(c.model[name], value, rtol=1e-6)
+    assert any("/model/r1/" in m.topic and m.payload == b"" for m in out)  # old retained chunks cleared
+    record = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert record["round"] == 1 and record["participants"] == 2 and record["n_samples"] == 40
+    assert record["accuracy_mean"] == pytest.approx(0.2) and record["accuracy_std"] == pytest.approx(0.1)
+    assert record["bytes_received"] > 0 and "aggregate_s" in record
+    send(c, "a", shifted(1.0), 10)
+    send(c, "b", shifted(1.0), 30)
+    c.tick(4.0)
+    assert c.finished and (tmp_path / "final.safetensors").exists()
+    final = RoundInfo.decode(next(m.payload for m in c.announce(5.0) if m.topic == TOPICS.round))
+    assert (final.state, final.blob_id) == ("finished", "final")
+
+
+@pytest.mark.parametrize("case", ["unknown", "late", "future", "duplicate", "digest", "nan", "shape", "dtype",
+                                  "corrupt", "oversized", "garbage", "zero_n", "bad_meta"])
+def test_bad_updates_are_counted_answered_and_never_aggregated(tmp_path: Path, case: str) -> None:
+    c = make(tmp_path, min_clients=1)
+    c.start(0.0)
+    register(c, "a", 10)
+    if case == "duplicate":
+        send(c, "a", shifted(1.0), 10)
+    tensors, device, kwargs = shifted(1.0), "a", {}
+    code = {"unknown": "unknown_device", "late": "late_update", "future": "late_update", "duplicate":
+            "duplicate_update", "digest": "digest_mismatch", "nan": "bad_tensors", "shape": "bad_tensors",
+            "dtype": "bad_tensors", "corrupt": "bad_chunk", "oversized": "bad_chunk", "garbage": "bad_chunk",
+            "zero_n": "rejected", "bad_meta": "bad_message"}[case]
+    if case in ("nan", "shape", "dtype", "oversized", "bad_meta"):
+        from safetensors.numpy import save
+
+        bad = {"nan": {**tensors, "stem.bias": np.array([np.inf, 0], np.float32)},
+               "shape": {**tensors, "stem.bias": np.zeros(3, np.float32)},
+               "dtype": {**tensors, "stem.bias": np.zeros(2, np.float16)},
+               "oversized": {**tensors, "extra": np.zeros(10_000, np.float32)}}.get(case, tensors)
+        meta = {"round": 1, "n_samples": 10, "base_digest": MANIFEST.base_digest}
+        if case == "bad_meta":
+            meta["n_samples"] = "ten"
+        out = []
+        for frame in chunk(save(bad), 40, "u", meta):
+            out += c.handle(TOPICS.update(device), frame, 1.0)
+    elif case in ("corrupt", "garbage"):
+        frames = update_frames(MANIFEST, tensors, UpdateMeta(1, 10, MANIFEST.base_digest), "u", 40)
+        frames[1] = frames[1][:-1] + bytes([frames[1][-1] ^ 1]) if case == "corrupt" else b"\x00garbage"
+        out = [m for f in frames for m in c.handle(TOPICS.update(device), f, 1.0)]
+    else:
+        if case == "unknown":
+            device = "stranger"
+        kwargs = {"late": {"round_": 0}, "future": {"round_": 7}, "digest": {"digest": "sha256:other"},
+                  "zero_n": {"n": 0}}.get(case, {})
+        out = send(c, device, tensors, **{"n": 10, **kwargs})
+    before = {k: v.copy() for k, v in c.model.items()}
+    assert errors(out) == [code]  # answered once per blob, not once per chunk
+    assert c.counters[code] == 1 and c.counters["accepted"] == (1 if case == "duplicate" else 0)
+    c.tick(100.0)
+    if case != "duplicate":
+        assert c.round.number == 1  # nothing accepted: the round cannot close
+        for k in before:
+            np.testing.assert_array_equal(c.model[k], before[k])
+    state = json.loads(c.state_message(101.0).payload)
+    assert state["counters"][code] == 1
+
+
+def test_registration_digest_mismatch_is_answered(tmp_path: Path) -> None:
+    c = make(tmp_path)
+    c.start(0.0)
+    assert errors(register(c, "a", 5, digest="sha256:other")) == ["digest_mismatch"]
+    assert "a" not in c.registered
+    assert c.handle("fedper/v1/lab/register/a", b"not json", 0.0)[0].topic == TOPICS.error("a")
+    assert c.handle("fedper/v1/other/register/a", b"{}", 0.0) == []  # another fleet's topic: counted only
+    assert c.counters["bad_message"] == 2
+
+
+def test_restart_keeps_accepted_updates_exactly_once(tmp_path: Path) -> None:
+    c = make(tmp_path)
+    c.start(0.0)
+    register(c, "a", 10)
+    register(c, "b", 30)
+    send(c, "a", shifted(1.0), 10)
+    del c  # killed: only the state directory survives
+    c = make(tmp_path)
+    c.start(50.0)
+    assert c.round.number == 1 and set(c.round.folded) == {"a"} and set(c.registered) == {"a", "b"}
+    assert errors(send(c, "a", shifted(5.0), 10, now=51.0)) == ["duplicate_update"]
+    send(c, "b", shifted(3.0), 30, now=51.0)
+    c.tick(52.0)
+    expected = {k: (v * 10 + shifted(3.0)[k] * 30) / 40 for k, v in shifted(1.0).items()}
+    for name, value in expected.items():
+        np.testing.assert_allclose(c.model[name], value, rtol=1e-6)
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model-r2.safetensors"]
+
+
+def test_deadline_closes_with_quorum_and_extends_without(tmp_path: Path) -> None:
+    c = make(tmp_path, min_clients=2, round_timeout=5.0)
+    c.start(0.0)
+    for d, n in (("a", 10), ("b", 10), ("silent", 10)):
+        register(c, d, n)
+    send(c, "a", shifted(1.0), 10)
+    out = c.tick(6.0)  # deadline passed with 1 < 2 updates: extended, announced
+    assert c.round.number == 1 and c.round.extensions == 1
+    assert RoundInfo.decode(next(m.payload for m in out if m.topic == TOPICS.round)).deadline == 11.0
+    send(c, "b", shifted(3.0), 10)
+    assert c.tick(7.0) == [] or c.round.number == 1  # quorum, but the extended deadline is not yet over
+    c.tick(11.5)
+    assert c.round.number == 2
+    c.handle(TOPICS.register("silent"), b"", 12.0)  # it cleared its retained registration: it left
+    assert set(c.registered) == {"a", "b"}
+    record = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert record["participants"] == 2 and record["deadline_extensions"] == 1 and record["registered"] == 3
+
+
+@pytest.mark.parametrize("aggregator", ["median", "trimmed-mean"])
+def test_robust_aggregators_resist_an_outlier_and_survive_restart(tmp_path: Path, aggregator: str) -> None:
+    c = make(tmp_path, aggregator=aggregator, min_clients=5, rounds=1)
+    c.start(0.0)
+    for i, delta in enumerate([1.0, 1.1, 0.9, 1.05, 1e6]):
+        register(c, f"d{i}", 10)
+        send(c, f"d{i}", shifted(delta), 10)
+        if i == 2:
+            c = make(tmp_path, aggregator=aggregator, min_clients=5, rounds=1)
+            c.start(0.0)
+    c.tick(1.0)
+    assert c.finished
+    assert np.abs(c.model["stem.bias"] - shifted(1.0)["stem.bias"]).max() < 0.2
+
+
+@pytest.mark.parametrize("aggregator", ["mean", "median"])
+def test_clip_norm_bounds_each_update_also_across_a_restart(tmp_path: Path, aggregator: str) -> None:
+    c = make(tmp_path, min_clients=1, rounds=1, clip_norm=1.0, aggregator=aggregator)
+    c.start(0.0)
+    register(c, "a", 10)
+    send(c, "a", shifted(100.0), 10)
+    c = make(tmp_path, min_clients=1, rounds=1, clip_norm=1.0, aggregator=aggregator)
+    c.start(0.5)
+    c.tick(1.0)
+    delta = np.concatenate([(c.model[k] - v).ravel() for k, v in tiny_tensors().items()])
+    assert np.linalg.norm(delta) == pytest.approx(1.0, rel=1e-5)
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "no manifest.json"),
+    (["--embedded-broker", "--broker", "mqtt://x"], "exactly one of"),
+    (["--aggregator", "mode", "--broker", "mqtt://x"], "--aggregator"),
+    (["--broker", "http://x"], "broker URL"),
+])
+def test_cli_bad_input_is_one_clear_line(tmp_path: Path, args: list[str], message: str) -> None:
+    from typer.testing import CliRunner
+
+    from fedper.coordinator.cli import app
+    from fedper.tensors import pack_shared
+
+    artifacts = tmp_path / "export"
+    artifacts.mkdir()
+    if args:
+        MANIFEST.save(artifacts)
+        (artifacts / "base.safetensors").write_bytes(pack_shared(MANIFEST, tiny_tensors()))
+    result = CliRunner().invoke(app, ["--artifacts", str(artifacts), "--fleet", "lab", "--rounds", "1",
+                                      "--state-dir", str(tmp_path / "s"), *(args or ["--broker", "mqtt://x"])])
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
+def test_restart_after_the_last_round_only_reannounces_and_other_exports_are_refused(tmp_path: Path) -> None:
+    c = make(tmp_path, min_clients=1, rounds=1)
+    c.start(0.0)
+    register(c, "a", 10)
+    send(c, "a", shifted(1.0), 10)
+    c.tick(1.0)
+    again = make(tmp_path, min_clients=1, rounds=1)
+    assert again.finished
+    info = RoundInfo.decode(next(m.payload for m in again.start(2.0) if m.topic == TOPICS.round))
+    assert (info.state, info.blob_id) == ("finished", "final")
+    from dataclasses import replace
+
+    other = replace(MANIFEST, tensors=MANIFEST.tensors[1:])
+    with pytest.raises(ValueError, match="another export"):
+        Coordinator(other, {"stem.bias": tiny_tensors()["stem.bias"]}, TOPICS, Config(1, 1, 1.0), Store(tmp_path))
+
+
+def test_arbitrary_messages_never_raise_or_change_the_model(tmp_path: Path) -> None:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    c = make(tmp_path, min_clients=1)
+    c.start(0.0)
+    register(c, "a", 10)
+    frames = update_frames(MANIFEST, shifted(1.0), UpdateMeta(1, 10, MANIFEST.base_digest), "u", 40)
+    before = {k: v.copy() for k, v in c.model.items()}
+    kinds = st.sampled_from(["register", "update", "presence", "round", "error"])
+    devices = st.sampled_from(["a", "b", "+", ""])
+    payloads = st.one_of(st.binary(max_size=300), st.sampled_from(frames).flatmap(
+        lambda f: st.integers(0, len(f)).map(lambda i: f[:i] + f[i + 1 :])))
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(kind=kinds, device=devices, payload=payloads)
+    def fuzz(kind: str, device: str, payload: bytes) -> None:
+        c.handle(f"fedper/v1/lab/{kind}/{device}", payload, 1.0)
+
+    fuzz()
+    c.tick(1.0)
+    assert c.round.number == 1 and c.counters["accepted"] == 0 and c.counters["internal_error"] == 0
+    for k in before:
+        np.testing.assert_array_equal(c.model[k], before[k])

@@ -1,0 +1,192 @@
+"""Protocol v1 codec: chunking round trips and every way a chunk stream can be wrong."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from vectors.make_vectors import tiny_manifest, tiny_tensors
+
+from fedper.tensors import TensorError
+from fedper.wire import (
+    DEFAULT_CHUNK_SIZE,
+    ErrorMessage,
+    Reassembler,
+    Register,
+    RoundInfo,
+    Topics,
+    UpdateMeta,
+    WireError,
+    chunk,
+    decode_chunk,
+    decode_frame,
+    decode_tensors,
+    encode_frame,
+    update_frames,
+)
+
+blobs = st.binary(min_size=0, max_size=3000)
+chunk_sizes = st.integers(min_value=1, max_value=700)
+
+
+def assemble(frames: list[bytes], limit: int = 1 << 20) -> bytes:
+    r = Reassembler(limit)
+    done = [b for b in (r.add("dev", f) for f in frames) if b is not None]
+    assert len(done) == 1 and len(r) == 0
+    return done[0].data
+
+
+@settings(max_examples=150, deadline=None)
+@given(blob=blobs, size=chunk_sizes, seed=st.integers(0, 2**32 - 1))
+def test_any_blob_any_chunk_size_any_order_round_trips(blob: bytes, size: int, seed: int) -> None:
+    frames = chunk(blob, size, "b", {"round": 3})
+    assert len(frames) == max(1, -(-len(blob) // size))
+    random.Random(seed).shuffle(frames)
+    assert assemble(frames) == blob
+
+
+@settings(max_examples=60, deadline=None)
+@given(blob=st.binary(min_size=2, max_size=2000), size=chunk_sizes, data=st.data())
+def test_truncated_chunk_is_refused(blob: bytes, size: int, data: st.DataObject) -> None:
+    frames = chunk(blob, size, "b")
+    i = data.draw(st.integers(0, len(frames) - 1))
+    cut = data.draw(st.integers(1, len(frames[i]) - 1))
+    with pytest.raises(WireError) as e:
+        Reassembler(1 << 20).add("dev", frames[i][:-cut])
+    assert e.value.code == "bad_chunk"
+
+
+@settings(max_examples=60, deadline=None)
+@given(blob=st.binary(min_size=1, max_size=2000), size=chunk_sizes, data=st.data())
+def test_corrupt_byte_anywhere_is_refused(blob: bytes, size: int, data: st.DataObject) -> None:
+    """A flipped bit anywhere fails the frame's crc32 (or, in the prefix, its length checks)."""
+    frames = chunk(blob, size, "b")
+    i = data.draw(st.integers(0, len(frames) - 1))
+    pos = data.draw(st.integers(0, len(frames[i]) - 1))
+    bad = bytearray(frames[i])
+    bad[pos] ^= 1 << data.draw(st.integers(0, 7))
+    frames[i] = bytes(bad)
+    r = Reassembler(1 << 20)
+    with pytest.raises(WireError):
+        for f in frames:
+            assert r.add("dev", f) is None or f is not frames[-1]
+        raise AssertionError("unreachable")  # a corrupt stream must never complete
+
+
+@settings(max_examples=40, deadline=None)
+@given(blob=st.binary(min_size=10, max_size=2000), size=st.integers(1, 5))
+def test_duplicates_same_content_are_harmless_different_content_refused(blob: bytes, size: int) -> None:
+    frames = chunk(blob, size, "b")
+    assert assemble([*frames[:-1], frames[0], frames[-1]]) == blob  # a QoS 1 redelivery before completion
+    other = chunk(bytes(x ^ 0xFF for x in blob), size, "b")  # same blob_id, other content
+    r = Reassembler(1 << 20)
+    r.add("dev", frames[0])
+    with pytest.raises(WireError, match=r"differs|different"):
+        r.add("dev", other[0])
+        r.add("dev", other[0])
+
+
+def test_oversized_declared_blob_is_refused_before_any_allocation() -> None:
+    frames = chunk(b"x" * 1000, 100, "big")
+    with pytest.raises(WireError, match="oversized"):
+        Reassembler(max_blob_size=999).add("dev", frames[0])
+    header, data = decode_frame(frames[0])
+    lying = encode_frame({**header, "size": 10**12, "count": 10**10}, data)  # claims a terabyte
+    r = Reassembler(max_blob_size=10**6)
+    with pytest.raises(WireError, match="oversized"):
+        r.add("dev", lying)
+    assert len(r) == 0
+
+
+def test_inconsistent_chunk_headers_are_refused() -> None:
+    frames = chunk(b"abcdefghij" * 10, 10, "b", {"round": 1})
+    header, data = decode_frame(frames[1])
+    r = Reassembler(1 << 20)
+    r.add("dev", frames[0])
+    with pytest.raises(WireError, match="inconsistent"):
+        r.add("dev", encode_frame({**header, "meta": {"round": 2}}, data))
+    bad_fields = ({"index": 10}, {"count": 3}, {"chunk_size": 0}, {"index": -1}, {"index": "1"}, {"sha256": "zz"},
+                  {"meta": []})
+    for bad in bad_fields:
+        with pytest.raises(WireError):
+            decode_chunk(encode_frame({**header, **bad}, data))
+
+
+def test_open_blobs_are_bounded() -> None:
+    r = Reassembler(1 << 20, max_open_blobs=4)
+    for i in range(100):
+        r.add(f"dev{i}", chunk(b"x" * 20, 10, f"b{i}")[0])
+    assert len(r) == 4 and r.evicted == 96
+    last = chunk(b"x" * 20, 10, "b99")
+    assert r.add("dev99", last[1]).data == b"x" * 20  # the most recent survive
+
+
+def test_sources_do_not_mix() -> None:
+    frames = chunk(b"0123456789" * 3, 10, "same-id")
+    r = Reassembler(1 << 20)
+    assert r.add("a", frames[0]) is None and r.add("b", frames[1]) is None
+    assert r.add("a", frames[1]) is None
+    assert r.add("a", frames[2]).data == b"0123456789" * 3
+
+
+def test_default_chunk_fits_aws_iot_core() -> None:
+    frames = update_frames(tiny_manifest(), tiny_tensors(), UpdateMeta(1, 5, "d", {"accuracy": 0.5}), "x")
+    assert len(frames[0]) < DEFAULT_CHUNK_SIZE + 1024 < 128 * 1000
+
+
+def test_messages_round_trip_and_ignore_unknown_fields() -> None:
+    for msg in (Register(5, "sha256:ab", "agent/1"), ErrorMessage("late_update", "old", 3), ErrorMessage("x", "y"),
+                RoundInfo(2, 5, "open", 1.5, "r2", 10, "0" * 64, 1, "sha256:ab"), UpdateMeta(1, 2, "d", {"acc": 1.0})):
+        body = json.loads(msg.encode())
+        assert type(msg).decode(json.dumps({**body, "future_field": [1]}).encode()) == msg
+
+
+@pytest.mark.parametrize("payload", [
+    b"", b"\xff\xfe", b"[]", b'{"v":1}', b'{"v":2,"n_samples":1,"base_digest":"a","software":"s"}',
+    b'{"v":1,"n_samples":"7","base_digest":"a","software":"s"}',
+    b'{"v":1,"n_samples":true,"base_digest":"a","software":"s"}',
+    b'{"v":1,"n_samples":NaN,"base_digest":"a","software":"s"}', b'{"v":1e999}', b"[" * 100_000,
+])
+def test_bad_json_messages_are_refused(payload: bytes) -> None:
+    with pytest.raises(WireError) as e:
+        Register.decode(payload)
+    assert e.value.code == "bad_message"
+
+
+def test_topics_and_names() -> None:
+    t = Topics("lab")
+    assert t.update("pixel-7") == "fedper/v1/lab/update/pixel-7"
+    assert t.parse("fedper/v1/lab/register/pixel-7") == ("register", "pixel-7")
+    for bad in ("fedper/v1/other/update/x", "fedper/v1/lab/round", "fedper/v1/lab/update/a/b", "fedper/v1/lab/error/x"):
+        with pytest.raises(WireError):
+            t.parse(bad)
+    for bad_name in ("", "a/b", "+", "#", "x" * 65):
+        with pytest.raises(WireError):
+            t.update(bad_name)
+
+
+def test_head_tensors_cannot_be_encoded() -> None:
+    manifest = tiny_manifest()
+    with_head = {**tiny_tensors(), "classifier.weight": np.zeros((3, 2), np.float32)}
+    with pytest.raises(TensorError, match="device-local"):
+        update_frames(manifest, with_head, UpdateMeta(1, 5, manifest.base_digest), "x")
+
+
+def test_decoded_tensors_are_validated() -> None:
+    manifest = tiny_manifest()
+    frames = update_frames(manifest, tiny_tensors(), UpdateMeta(1, 5, manifest.base_digest), "x")
+    assert set(decode_tensors(manifest, assemble(frames))) == {"stem.weight", "stem.bias"}
+    from safetensors.numpy import save
+
+    for bad in ({**tiny_tensors(), "stem.bias": np.array([np.nan, 0], np.float32)},
+                {**tiny_tensors(), "stem.bias": np.zeros(3, np.float32)},
+                {**tiny_tensors(), "stem.bias": np.zeros(2, np.float64)}, {"stem.bias": np.zeros(2, np.float32)}):
+        with pytest.raises(WireError) as e:
+            decode_tensors(manifest, save(bad))
+        assert e.value.code == "bad_tensors"
+    with pytest.raises(WireError):
+        decode_tensors(manifest, b"\x00" * 40)

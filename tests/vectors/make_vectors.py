@@ -1,0 +1,117 @@
+"""Writes the protocol v1 test vectors (docs/protocol.md) next to this file.
+
+`manifest.json` is the toy model the blobs follow. Each vector is `<name>.bin` (an MQTT payload,
+byte for byte) and `<name>.expected.json` (what a correct decoder makes of it, or the error code it
+must refuse it with). A phone app checks its
+decoder against them; tests/test_wire_vectors.py checks ours, and that this script reproduces them.
+
+    python tests/vectors/make_vectors.py [OUT_DIR]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from fedper.manifest import Manifest, ModelInfo, TensorSpec
+from fedper.wire import (
+    ErrorMessage,
+    Register,
+    RoundInfo,
+    Topics,
+    UpdateMeta,
+    chunk,
+    decode_frame,
+    model_frames,
+    update_frames,
+)
+
+FLEET, DEVICE = "demo", "phone-1"
+CHUNK_SIZE = 64  # tiny on purpose: the blobs below span several chunks
+
+
+def tiny_manifest() -> Manifest:
+    """Two base tensors (shared) and one head tensor (device-local) of a toy FedPer model."""
+    spec = [
+        ("stem.weight", (2, 3), "float32", "base", True),
+        ("stem.bias", (2,), "float32", "base", True),
+        ("classifier.weight", (3, 2), "float32", "head", True),
+    ]
+    info = ModelInfo("tiny", kp=1, num_classes=3, input_shape=(3, 1, 1), mean=(0.0,) * 3, std=(1.0,) * 3)
+    tensors = tuple(TensorSpec(n, s, d, r, t, shared=r == "base") for n, s, d, r, t in spec)
+    return Manifest(model=info, algorithm="fedper", tensors=tensors)
+
+
+def tiny_tensors(offset: float = 0.0) -> dict[str, np.ndarray]:
+    return {
+        "stem.weight": (np.arange(6, dtype=np.float32).reshape(2, 3) / 4 + offset).astype(np.float32),
+        "stem.bias": np.array([0.5, -1.25], dtype=np.float32) + np.float32(offset),
+    }
+
+
+def _values(blob_tensors: dict[str, np.ndarray]) -> dict[str, dict]:
+    return {n: {"dtype": str(a.dtype), "shape": list(a.shape), "values": a.ravel().tolist()}
+            for n, a in blob_tensors.items()}
+
+
+def vectors() -> dict[str, tuple[bytes, dict]]:
+    """name -> (payload, expected)."""
+    manifest = tiny_manifest()
+    topics = Topics(FLEET)
+    digest = manifest.base_digest
+    out: dict[str, tuple[bytes, dict]] = {}
+
+    def message(name: str, topic: str, msg) -> None:  # type: ignore[no-untyped-def]
+        payload = msg.encode()
+        out[name] = (payload, {"topic": topic, "kind": type(msg).__name__, "message": json.loads(payload)})
+
+    register = Register(n_samples=120, base_digest=digest, software="fedper-agent/0.1.0")
+    message("register", topics.register(DEVICE), register)
+    blob, frames = model_frames(manifest, tiny_tensors(), "r1", 1, CHUNK_SIZE)
+    message("round", topics.round, RoundInfo(
+        round=1, rounds=3, state="open", deadline=1767225600.0, blob_id="r1", size=len(blob),
+        sha256=hashlib.sha256(blob).hexdigest(), count=len(frames), base_digest=digest))
+    message("error", topics.error(DEVICE), ErrorMessage("late_update", "update for round 1, but round 2 is open", 2))
+
+    def blob_vectors(name: str, topic_of, frames: list[bytes], blob_tensors: dict[str, np.ndarray]) -> None:  # type: ignore[no-untyped-def]
+        whole = b""
+        for i, frame in enumerate(frames):
+            header, data = decode_frame(frame)
+            whole += data
+            expected = {"topic": topic_of(i), "kind": "chunk", "header": header, "data_hex": data.hex()}
+            out[f"{name}.{i}"] = (frame, expected)
+        out[name] = (whole, {"kind": "blob", "sha256": hashlib.sha256(whole).hexdigest(), "size": len(whole),
+                             "chunks": [f"{name}.{i}.bin" for i in range(len(frames))],
+                             "tensors": _values(blob_tensors)})
+
+    blob_vectors("model-r1", lambda i: topics.model("r1", i), frames, tiny_tensors())
+    meta = UpdateMeta(round=1, n_samples=120, base_digest=digest, metrics={"accuracy": 0.75, "loss": 0.5})
+    update = update_frames(manifest, tiny_tensors(0.125), meta, "r1-0a1b2c3d", CHUNK_SIZE)
+    blob_vectors("update-r1", lambda i: topics.update(DEVICE), update, tiny_tensors(0.125))
+
+    corrupt = bytearray(update[0])
+    corrupt[-1] ^= 0xFF
+    why = "the last data byte flipped: crc32 mismatch"
+    out["bad-corrupt-chunk"] = (bytes(corrupt), {"kind": "chunk", "error": "bad_chunk", "why": why})
+    out["bad-truncated-chunk"] = (update[0][:-3], {"kind": "chunk", "error": "bad_chunk", "why": "data too short"})
+    out["bad-short-frame"] = (update[0][:20], {"kind": "chunk", "error": "bad_chunk", "why": "header cut off"})
+    out["bad-version"] = (b'{"v":2,"n_samples":1,"base_digest":"x","software":"y"}',
+                          {"kind": "Register", "error": "bad_message", "why": "unsupported protocol version"})
+    empty = chunk(b"", CHUNK_SIZE, "empty")[0]
+    out["empty-blob.0"] = (empty, {"kind": "chunk", "header": decode_frame(empty)[0], "data_hex": ""})
+    return out
+
+
+def write(directory: Path) -> None:
+    tiny_manifest().save(directory)  # manifest.json: the layout behind base_digest and the blobs
+    for name, (payload, expected) in vectors().items():
+        (directory / f"{name}.bin").write_bytes(payload)
+        (directory / f"{name}.expected.json").write_text(json.dumps(expected, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    write(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent)
