@@ -1,0 +1,120 @@
+"""What a local-training backend does, and the pieces both backends share.
+
+A backend holds the device's whole model (shared + device-local tensors, by manifest name) and
+trains the set of tensors a phase names ("all", "head" or "base"). Two implementations:
+`ort_backend.OrtBackend` (onnxruntime-training, the artifacts' own graphs) and
+`torch_backend.TorchBackend` (PyTorch, for devices without an onnxruntime-training build).
+Both walk the same seeded batch order, so from the same state and data they make the same update.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from fedper.manifest import Manifest, ManifestError
+from fedper.verify import verify
+
+BACKENDS = ("ort", "torch")
+EVAL_BATCH = 256
+
+
+def batch_order(n: int, batch_size: int, epoch: int, seed: int | Sequence[int]) -> list[np.ndarray]:
+    """One epoch's batches: a permutation of range(n) drawn from default_rng([*seed, epoch]), cut into
+    batch_size pieces. A ragged last batch is dropped (ORT_NOTES: batches of 1-2 blow up in ORT)
+    unless it is the only batch (n < batch_size). The emulator must cut batches the same way."""
+    if n < 1 or batch_size < 1:
+        raise ValueError(f"need at least one sample and a batch size >= 1, got n={n}, batch_size={batch_size}")
+    rng = np.random.default_rng([*np.atleast_1d(seed).tolist(), epoch])
+    perm = rng.permutation(n)
+    if n < batch_size:
+        return [perm]
+    return [perm[i : i + batch_size] for i in range(0, n - batch_size + 1, batch_size)]
+
+
+@dataclass(frozen=True)
+class TrainStats:
+    samples: int  # samples seen (sum of batch sizes over all epochs)
+    seconds: float
+    loss: float  # mean training loss over the batches
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+
+class Backend(Protocol):
+    def load(self, tensors: Mapping[str, np.ndarray]) -> None:
+        """Overwrite the named tensors (any subset of the manifest's) in place."""
+
+    def read(self, names: Iterable[str]) -> dict[str, np.ndarray]:
+        """Copies of the named tensors as they are now."""
+
+    def train(
+        self, trained: str, x: np.ndarray, y: np.ndarray, *, epochs: int, batch_size: int, lr: float,
+        seed: int | Sequence[int],
+    ) -> TrainStats:
+        """Plain SGD on the `trained` tensors ("all", "head" or "base") over batch_order's batches."""
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+        """(accuracy, mean loss) of the model as it is now, in inference mode."""
+
+
+def trained_names(manifest: Manifest, trained: str) -> list[str]:
+    """The manifest's trainable tensors that a phase training `trained` updates by gradient."""
+    if trained not in ("all", "head", "base"):
+        raise ValueError(f"a phase trains 'all', 'head' or 'base', not {trained!r}")
+    return [t.name for t in manifest.tensors if t.trainable and trained in ("all", t.role)]
+
+
+def run_epochs(
+    step, n: int, *, epochs: int, batch_size: int, seed: int | Sequence[int]
+) -> TrainStats:
+    """Drive `step(batch_indices) -> loss` over every epoch's batches and time it."""
+    start, samples, losses = time.perf_counter(), 0, []
+    for epoch in range(epochs):
+        for idx in batch_order(n, batch_size, epoch, seed):
+            losses.append(float(step(idx)))
+            samples += len(idx)
+    return TrainStats(samples, time.perf_counter() - start, float(np.mean(losses)) if losses else float("nan"))
+
+
+def check_artifacts(directory: str | Path) -> Manifest:
+    """Load the manifest and check every file against it (checksums, names, digest) before any use."""
+    directory = Path(directory)
+    manifest = Manifest.load(directory)
+    problems = verify(directory)
+    if problems:
+        raise ManifestError(f"{directory} does not match its manifest: " + "; ".join(problems[:5]))
+    return manifest
+
+
+def open_backend(kind: str, artifacts: str | Path, manifest: Manifest) -> Backend:
+    """Backends import their runtime lazily: a device needs only the one it uses."""
+    if kind == "ort":
+        from fedper.edge.ort_backend import OrtBackend
+
+        return OrtBackend(Path(artifacts), manifest)
+    if kind == "torch":
+        from fedper.edge.torch_backend import TorchBackend
+
+        return TorchBackend(Path(artifacts), manifest)
+    raise ValueError(f"unknown backend {kind!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def evaluate_batches(forward, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Accuracy and mean loss from `forward(x, y) -> (loss, logits)` over fixed-size chunks."""
+    if len(y) == 0:
+        return float("nan"), float("nan")
+    correct, loss_sum = 0, 0.0
+    for i in range(0, len(y), EVAL_BATCH):
+        xb, yb = x[i : i + EVAL_BATCH], y[i : i + EVAL_BATCH]
+        loss, logits = forward(xb, yb)
+        correct += int((np.asarray(logits).argmax(1) == yb).sum())
+        loss_sum += float(loss) * len(yb)
+    return correct / len(y), loss_sum / len(y)

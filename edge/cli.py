@@ -1,0 +1,65 @@
+"""fedper-agent: take part in a FedPer fleet from this device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(help="FedPer device agent: trains locally, sends the base, keeps the head on this device.",
+                  no_args_is_help=True)
+
+
+@app.command()
+def run(
+    artifacts: Path = typer.Option(..., help="Export directory from fedper-export (checked against its manifest)."),
+    data: Path = typer.Option(..., help="Local data: an image folder (train/<class>/*, optional test/) or an .npz."),
+    broker: str = typer.Option(..., help="Broker URL, mqtt://host:1883 or mqtts://host:8883."),
+    fleet: str = typer.Option(..., help="Fleet name: topics live under fedper/v1/<fleet>/."),
+    client_id: str = typer.Option(..., help="This device's id, stable across restarts."),
+    state_dir: Path = typer.Option(..., help="Where the head, the data split and the last round survive restarts."),
+    local_epochs: int = typer.Option(1, min=1, help="Local epochs per round (E)."),
+    batch_size: int = typer.Option(32, min=1, help="Local batch size (B)."),
+    lr: float = typer.Option(0.01, min=0.0, help="SGD learning rate (eta)."),
+    fine_tune_head: bool = typer.Option(False, help="Train the head alone for one epoch before the base + head."),
+    backend: str = typer.Option("ort", help="Local training runtime: ort (onnxruntime-training) or torch."),
+    seed: int = typer.Option(0, help="Seed of the train/test split and of the batch order."),
+    username: str = typer.Option(None, help="Broker user name."),
+    password: str = typer.Option(None, help="Broker password.", envvar="FEDPER_MQTT_PASSWORD"),
+    tls_ca: Path = typer.Option(None, help="CA certificate (PEM) to verify the broker with; implies TLS."),
+    mqtt_version: str = typer.Option("5", help="MQTT protocol: 5 or 3.1.1."),
+    chunk_size: int = typer.Option(63 * 1024, min=1, help="Bytes of tensor data per MQTT message."),
+) -> None:
+    """Train rounds until the coordinator announces the final model; resumes from --state-dir."""
+    from fedper.data import DataError
+    from fedper.edge.agent import Agent, AgentConfig, AgentError
+    from fedper.edge.backend import BACKENDS
+    from fedper.edge.state import StateError
+    from fedper.manifest import ManifestError
+    from fedper.wire import WireError
+
+    config = AgentConfig(
+        artifacts=artifacts, data=data, broker=broker, fleet=fleet, client_id=client_id, state_dir=state_dir,
+        local_epochs=local_epochs, batch_size=batch_size, lr=lr, fine_tune_head=fine_tune_head, backend=backend,
+        seed=seed, username=username, password=password, tls_ca=str(tls_ca) if tls_ca else None,
+        mqtt_version=mqtt_version, chunk_size=chunk_size,
+    )
+    try:
+        if backend not in BACKENDS:
+            raise ValueError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+        agent = Agent(config, log=lambda line: typer.echo(line, err=True))
+        agent.run()
+    except (AgentError, DataError, ManifestError, StateError, WireError, ValueError, OSError) as e:
+        typer.echo(f"fedper-agent: {e}", err=True)
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt:
+        typer.echo("interrupted: the state is saved, run the same command to rejoin", err=True)
+        raise typer.Exit(130) from None
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Local training with onnxruntime-training over the exported artifact sets.
+
+One CheckpointState + Module + Optimizer per artifact set ("all", "head", "base"): requires_grad
+is baked into a checkpoint, so freezing means switching sets (ORT_NOTES). The set trained last
+holds the current tensors; switching copies every manifest tensor into the next set by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedper.edge.backend import TrainStats, evaluate_batches, run_epochs, trained_names
+from fedper.manifest import Manifest, ManifestError
+
+
+@dataclass
+class _ArtifactSet:
+    state: Any  # onnxruntime.training.api.CheckpointState
+    module: Any  # onnxruntime.training.api.Module
+    optimizer: Any  # onnxruntime.training.api.Optimizer
+
+
+def _model_file(directory: Path, stem: str) -> str:
+    """The .onnx file, or the .ort one that `fedper-export --ort-format` writes for mobile builds."""
+    for suffix in (".onnx", ".ort"):
+        if (directory / f"{stem}{suffix}").is_file():
+            return str(directory / f"{stem}{suffix}")
+    raise ManifestError(f"{directory} has no {stem}.onnx or {stem}.ort")
+
+
+class OrtBackend:
+    def __init__(self, artifacts: Path, manifest: Manifest) -> None:
+        from onnxruntime.training import api
+
+        if not manifest.artifact_sets:
+            raise ManifestError(f"{artifacts}: the manifest lists no training artifact sets")
+        self.manifest = manifest
+        self._names = manifest.names()
+        self._sets: dict[str, _ArtifactSet] = {}
+        for trained, folder in manifest.artifact_sets.items():
+            d = artifacts / folder
+            state = api.CheckpointState.load_checkpoint(str(d / "checkpoint"))
+            # The Module comes first: writing parameters on a state that has no Module yet segfaults.
+            module = api.Module(_model_file(d, "training_model"), state, _model_file(d, "eval_model"), device="cpu")
+            optimizer = api.Optimizer(_model_file(d, "optimizer_model"), module)
+            missing = [n for n in self._names if n not in state.parameters]
+            if missing:
+                raise ManifestError(f"{d}/checkpoint lacks {len(missing)} manifest tensors, e.g. {missing[:3]}")
+            self._sets[trained] = _ArtifactSet(state, module, optimizer)
+        self._current = "all" if "all" in self._sets else next(iter(self._sets))
+
+    def load(self, tensors: Mapping[str, np.ndarray]) -> None:
+        for artifact_set in self._sets.values():
+            params = artifact_set.state.parameters
+            for name, value in tensors.items():
+                np.copyto(params[name].data, value)
+
+    def read(self, names: Iterable[str]) -> dict[str, np.ndarray]:
+        params = self._sets[self._current].state.parameters
+        return {name: np.array(params[name].data, copy=True) for name in names}
+
+    def _switch(self, trained: str) -> _ArtifactSet:
+        """Make `trained`'s set current, carrying every tensor over from the set that was."""
+        if trained not in self._sets:
+            raise ManifestError(
+                f"the artifacts have no set training {trained!r} (they have {', '.join(self._sets)}); "
+                f"re-export for algorithm {self.manifest.algorithm}"
+            )
+        if trained != self._current:
+            tensors = self.read(self._names)
+            params = self._sets[trained].state.parameters
+            for name, value in tensors.items():
+                np.copyto(params[name].data, value)
+            self._current = trained
+        return self._sets[trained]
+
+    def train(
+        self, trained: str, x: np.ndarray, y: np.ndarray, *, epochs: int, batch_size: int, lr: float,
+        seed: int | Sequence[int],
+    ) -> TrainStats:
+        trained_names(self.manifest, trained)  # validates the name
+        s = self._switch(trained)
+        s.optimizer.set_learning_rate(lr)
+        s.module.train()
+
+        def step(idx: np.ndarray) -> float:
+            loss, _ = s.module(x[idx], y[idx])
+            s.optimizer.step()
+            s.module.lazy_reset_grad()
+            return loss
+
+        return run_epochs(step, len(y), epochs=epochs, batch_size=batch_size, seed=seed)
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+        module = self._sets[self._current].module
+        module.eval()
+        return evaluate_batches(module, x, y)

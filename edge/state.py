@@ -1,0 +1,144 @@
+"""The device's state directory: what must survive a kill, a reboot or a full disk.
+
+    split.json          the fixed train/test split of the local data (indices into the samples in
+                        load order), chosen once with a seed, with a fingerprint of the data: a
+                        restart never moves a test image into training
+    device.safetensors  the device's tensors after its last completed round: the device-local ones
+                        (its head and their BatchNorm statistics) and its last update (the shared
+                        ones), with metadata round, base_digest, n_samples and metrics
+
+Every file is replaced atomically (temporary file, fsync, os.replace, fsync of the directory): a
+kill or a full disk at any point leaves the previous version whole.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save as st_save
+
+from fedper.manifest import Manifest
+
+SPLIT_FILE = "split.json"
+TENSORS_FILE = "device.safetensors"
+TEST_FRACTION = 0.2
+
+
+class StateError(RuntimeError):
+    """The state directory cannot be read or written; the message says what to do."""
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so that readers see the old content or the new, never a mix."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        hint = " (disk full)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        raise StateError(f"cannot save {path}{hint}: {e.strerror or e}; the previous state is kept") from e
+
+
+def data_fingerprint(x: np.ndarray, y: np.ndarray) -> str:
+    h = hashlib.sha256()
+    h.update(np.ascontiguousarray(x).tobytes())
+    h.update(np.ascontiguousarray(y, dtype=np.int64).tobytes())
+    return "sha256:" + h.hexdigest()
+
+
+@dataclass
+class Saved:
+    """What device.safetensors holds."""
+
+    round: int
+    base_digest: str
+    n_samples: int
+    local: dict[str, np.ndarray]  # device-local tensors (the head)
+    update: dict[str, np.ndarray]  # the shared tensors this device sent for `round`
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class DeviceState:
+    def __init__(self, directory: str | Path) -> None:
+        self.dir = Path(directory)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StateError(f"cannot create the state directory {self.dir}: {e.strerror or e}") from e
+
+    def split(self, x: np.ndarray, y: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        """(train indices, test indices): read from split.json, or chosen now (stratified, seeded) and stored."""
+        from fedper.data import split_train_test
+
+        path = self.dir / SPLIT_FILE
+        fingerprint = data_fingerprint(x, y)
+        if path.exists():
+            try:
+                stored = json.loads(path.read_text())
+                train, test = np.asarray(stored["train"], np.int64), np.asarray(stored["test"], np.int64)
+                stored_fingerprint = stored["fingerprint"]
+            except (OSError, ValueError, KeyError) as e:
+                raise StateError(f"{path} is unreadable ({e}); remove it to choose a new split") from None
+            if stored_fingerprint != fingerprint:
+                raise StateError(
+                    f"the local data changed since {path} fixed the train/test split; restore the data, or remove "
+                    f"{path} to split again (earlier test images may then be trained on)"
+                )
+            return train, test
+        [(train, test)] = split_train_test([np.arange(len(y))], y, test_fraction=TEST_FRACTION, seed=seed)
+        body = {"seed": seed, "n": len(y), "fingerprint": fingerprint, "train": train.tolist(), "test": test.tolist()}
+        atomic_write(path, json.dumps(body).encode())
+        return train, test
+
+    def save(self, saved: Saved) -> None:
+        meta = {
+            "round": str(saved.round), "base_digest": saved.base_digest, "n_samples": str(saved.n_samples),
+            "metrics": json.dumps(saved.metrics), "local": json.dumps(sorted(saved.local)),
+        }
+        tensors = {**saved.update, **saved.local}
+        atomic_write(self.dir / TENSORS_FILE, st_save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, meta))
+
+    def load(self, manifest: Manifest) -> Saved | None:
+        """The last completed round's state, or None for a fresh device. A state from another export
+        (another base_digest) is refused rather than mixed in."""
+        path = self.dir / TENSORS_FILE
+        if not path.exists():
+            return None
+        try:
+            with safe_open(str(path), framework="np") as f:
+                meta = f.metadata() or {}
+                tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (not a dict)
+            local_names = json.loads(meta["local"])
+            saved = Saved(
+                round=int(meta["round"]), base_digest=meta["base_digest"], n_samples=int(meta["n_samples"]),
+                local={n: tensors[n] for n in local_names},
+                update={n: v for n, v in tensors.items() if n not in local_names},
+                metrics={k: float(v) for k, v in json.loads(meta["metrics"]).items()},
+            )
+        except (OSError, SafetensorError, ValueError, KeyError) as e:
+            raise StateError(f"{path} is unreadable ({e}); remove it to start this device afresh") from None
+        if saved.base_digest != manifest.base_digest:
+            raise StateError(
+                f"{path} belongs to another export (base_digest {saved.base_digest}, the artifacts have "
+                f"{manifest.base_digest}); use another --state-dir or remove it"
+            )
+        expected = set(manifest.names(shared=False))
+        if set(saved.local) != expected:
+            raise StateError(f"{path} does not hold this model's device-local tensors; remove it to start afresh")
+        return saved
