@@ -24,8 +24,7 @@ mosquitto:
 	else echo "mosquitto is missing and we are not root: the Mosquitto tests will be skipped"; fi
 
 demo: install
-	$(BIN)/fedper-emulate run --dataset digits --model mobilenet_v1 --width 0.25 --algorithm fedper --kp 2 \
-		--clients 5 --classes-per-client 4 --rounds 5 --local-epochs 1 --batch-size 32 --out runs/demo
+	$(BIN)/fedper demo
 
 test: install mosquitto
 	$(BIN)/ruff check .

@@ -10,6 +10,8 @@ import importlib
 
 import typer
 
+from fedper.cli.demo import demo
+
 app = typer.Typer(
     help="FedPer edge toolkit: federated learning with personalization layers, from the paper to devices.",
     no_args_is_help=True,
@@ -41,4 +43,4 @@ for _name, _what in ROLES.items():
     else:
         app.add_typer(_role.app, name=_name, help=_what)
 
-_not_built("demo", "Run the whole system on one machine: export, broker, coordinator, agents.")
+app.command("demo", help="Run the whole system on one machine: export, broker, coordinator, agents.")(demo)

@@ -1,0 +1,70 @@
+"""`fedper demo`: the whole system end to end as real processes, and nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SMALL = ["--devices", "2", "--rounds", "1", "--max-samples", "240", "--width", "0.25", "--classes-per-device", "2"]
+
+
+def leftovers(marker: Path) -> list[str]:
+    """Command lines of live fedper processes that mention this run's folder (the demo's children do)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(marker) in text and "fedper.cli" in text:
+            found.append(text)
+    return found
+
+
+def demo(out: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "fedper.cli", "demo", *SMALL, "--out", str(out), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_demo_runs_fedper_and_fedavg_and_cleans_up(tmp_path: Path) -> None:
+    proc = demo(tmp_path / "run")
+    output, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, output
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert set(results) == {"fedper", "fedavg"}
+    for result in results.values():
+        assert set(result["final"]) == {"dev-0", "dev-1"}
+        assert all(0.0 <= a <= 1.0 for a in result["final"].values())
+    assert (tmp_path / "run" / "demo.png").stat().st_size > 10_000
+    assert "FedPer" in output and "dev-1" in output
+    assert leftovers(tmp_path / "run") == []
+
+
+def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = demo(out, "--rounds", "50")
+    deadline = time.monotonic() + 180
+    while not list(out.glob("fedper/dev-*.log")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(3)  # the agents are up and a round is under way
+    assert any(" agent " in line for line in leftovers(out)), "the agents should be running before Ctrl-C"
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 130, output
+    assert "interrupted" in output
+    assert leftovers(out) == []
+
+
+def test_bad_input_is_a_clear_error(tmp_path: Path) -> None:
+    proc = demo(tmp_path / "run", "--dataset", "cifar10")
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert "needs --data" in output
+    with pytest.raises(FileNotFoundError):
+        (tmp_path / "run" / "results.json").read_text()
