@@ -10,7 +10,7 @@ app = typer.Typer(help="FedPer device agent: trains locally, sends the base, kee
                   no_args_is_help=True)
 
 
-@app.command()
+@app.callback(invoke_without_command=True)
 def run(
     artifacts: Path = typer.Option(..., help="Export directory from fedper-export (checked against its manifest)."),
     data: Path = typer.Option(..., help="Local data: an image folder (train/<class>/*, optional test/) or an .npz."),
