@@ -1,0 +1,90 @@
+"""Train many clients at once: their tensors stacked along a leading client axis, one vmapped
+functional forward/backward per step (torch.func), data gathered from the resident tensor.
+
+It does the same work as train.train_client on every client, with the same batches: at each step
+the clients whose current batch has the same size form one vmapped group (usually all of them;
+clients with fewer samples drop out of the last steps of an epoch, and last batches are smaller).
+SGD (with optional momentum) is written out as torch.optim.SGD computes it. BatchNorm running
+statistics are stacked buffers too, updated in place per client inside vmap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from fedper.algorithms import Phase
+from fedper.emulate.train import epoch_batches, prepare_phase
+from fedper.manifest import Manifest
+
+
+def train_clients_batched(
+    model: nn.Module,
+    manifest: Manifest,
+    phases: Sequence[Phase],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    train_idx: Sequence[torch.Tensor],
+    stacked: dict[str, torch.Tensor],
+    *,
+    local_epochs: int,
+    batch_size: int,
+    lr: float,
+    momentum: float,
+    generators: Sequence[torch.Generator],
+) -> None:
+    """Train every client's slice of `stacked` ({name: [clients, ...]}, all manifest tensors) in place."""
+    n_clients = len(train_idx)
+    # BatchNorm's num_batches_tracked counters (not manifest tensors) are mutated in the forward, so
+    # vmap needs them batched too; they are dropped at the end.
+    counters = {n: torch.stack([b] * n_clients) for n, b in model.state_dict().items() if n not in stacked}
+    stacked = stacked | counters
+
+    batched_grad = vmap(grad(_loss, argnums=1), in_dims=(None, 0, 0, 0, 0))
+    for phase in phases:
+        names = prepare_phase(model, manifest, phase.trained)
+        velocity = {n: torch.zeros_like(stacked[n]) for n in names} if momentum else {}
+        for _ in range(phase.epochs or local_epochs):
+            batches = [epoch_batches(len(idx), batch_size, g) for idx, g in zip(train_idx, generators, strict=True)]
+            for step in range(max(len(b) for b in batches)):
+                groups: dict[int, list[int]] = {}
+                for j, client_batches in enumerate(batches):
+                    if step < len(client_batches):
+                        groups.setdefault(len(client_batches[step]), []).append(j)
+                for members in groups.values():
+                    sample = torch.stack([train_idx[j][batches[j][step].to(x.device)] for j in members])
+                    _step(batched_grad, model, stacked, velocity, names, members, n_clients,
+                          x[sample], y[sample], lr, momentum)
+    model.requires_grad_(True)
+
+
+def _loss(model: nn.Module, trained, rest, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(functional_call(model, {**trained, **rest}, (xb,)), yb)
+
+
+@torch.no_grad()
+def _step(batched_grad, model, stacked, velocity, names, members, n_clients, xb, yb, lr, momentum) -> None:
+    """One SGD step for the clients in `members` on their batches xb [G, B, ...], yb [G, B]."""
+    whole = len(members) == n_clients
+    rows = None if whole else torch.tensor(members, device=xb.device)
+    part = stacked if whole else {n: t.index_select(0, rows) for n, t in stacked.items()}
+    trained = {n: part[n] for n in names}
+    rest = {n: t for n, t in part.items() if n not in trained}
+    with torch.enable_grad():
+        grads = batched_grad(model, trained, rest, xb, yb)
+    for n in names:
+        g = grads[n]
+        if momentum:
+            v = velocity[n] if whole else velocity[n].index_select(0, rows)
+            v.mul_(momentum).add_(g)
+            if not whole:
+                velocity[n].index_copy_(0, rows, v)
+            g = v
+        part[n].sub_(g, alpha=lr)
+    if not whole:  # write the group's parameters and updated running statistics back
+        for n, t in part.items():
+            stacked[n].index_copy_(0, rows, t)

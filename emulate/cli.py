@@ -1,0 +1,131 @@
+"""fedper-emulate: the paper's algorithms on an emulated fleet in one process (GPU when present)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(help="Emulate a FedPer fleet in one process: runs, and the paper's figures.", no_args_is_help=True)
+
+PAPER_BATCH = {"flickr-aes": 4}  # the paper: 128 for CIFAR, 4 for FLICKR-AES
+PAPER_CLIENTS = {"flickr-aes": 30}  # the paper: N = 10 for CIFAR, 30 for FLICKR-AES
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+@app.command()
+def run(
+    dataset: str = typer.Option("digits", help="digits | cifar10 | cifar100 | npz | imagefolder | flickr-aes"),
+    data: Path | None = typer.Option(None, help="Data path: CIFAR root, .npz file, image folder or FLICKR-AES root"),
+    model: str = typer.Option("mobilenet_v1", help="mobilenet_v1 | resnet34"),
+    width: float = typer.Option(1.0, help="Width multiplier of the model"),
+    algorithm: str = typer.Option("fedper", help="fedavg | fedper | fedper-ft | fedbabu | fedrep | lg-fedavg"),
+    kp: int | None = typer.Option(None, help="K_P: head blocks counted from the output (default 2; fedavg 0)"),
+    clients: int | None = typer.Option(None, help="Number of clients N (default: 10, FLICKR-AES 30)"),
+    classes_per_client: int = typer.Option(4, help="k: classes each client may sample (partition 'classes')"),
+    partition: str = typer.Option("classes", help="classes (the paper's k-class split) | shards | dirichlet"),
+    shards: int = typer.Option(2, help="Shards per client (partition 'shards')"),
+    alpha: float = typer.Option(0.5, help="Dirichlet concentration (partition 'dirichlet')"),
+    rounds: int = typer.Option(100, help="Communication rounds"),
+    local_epochs: int = typer.Option(4, help="Local epochs per round"),
+    batch_size: int | None = typer.Option(None, help="Batch size (default: 128, FLICKR-AES 4)"),
+    lr: float = typer.Option(0.01, help="SGD learning rate"),
+    momentum: float = typer.Option(0.0, help="SGD momentum (the paper: none)"),
+    eval_finetune_epochs: int = typer.Option(1, help="FedBABU: fine-tuning epochs before each evaluation"),
+    eval_finetune: str = typer.Option("all", help="FedBABU: what evaluation fine-tunes, all (their paper) | head"),
+    seed: int = typer.Option(0, help="Seed of the partition, the initial model and every batch order"),
+    device: str = typer.Option("auto", help="auto (cuda when present, else cpu) | cpu | cuda | cuda:N"),
+    engine: str = typer.Option("auto", help="auto (vmap on GPU, sequential on CPU) | sequential | vmap"),
+    input_size: int | None = typer.Option(None, help="Image side in pixels (default: the data's; digits 32)"),
+    scale: float = typer.Option(1.0, help="Fraction (<= 1) of the samples and rounds kept, for smoke runs"),
+    out: Path = typer.Option(Path("runs/emulate"), help="Run directory: config.json, metrics.jsonl, state.pt"),
+    resume: bool = typer.Option(False, help="Continue the run in --out from its state.pt"),
+    progress: bool = typer.Option(True, help="Show a progress bar"),
+) -> None:
+    """Run one experiment and write DIR/config.json, metrics.jsonl, summary.json and state.pt."""
+    from fedper.algorithms import get_algorithm
+    from fedper.data import DataError
+    from fedper.emulate.data import DataConfig
+    from fedper.emulate.experiment import RunConfig, RunError, run_experiment
+    from fedper.emulate.fleet import FleetConfig
+
+    try:
+        if not 0 < scale <= 1:
+            raise ValueError(f"--scale must lie in (0, 1], got {scale}")
+        if kp is None:
+            kp = 0 if get_algorithm(algorithm).requires_kp0 else 2
+        config = RunConfig(
+            data=DataConfig(dataset, str(data) if data else None, clients or PAPER_CLIENTS.get(dataset, 10),
+                            classes_per_client, partition, shards, alpha, input_size, scale, seed),
+            fleet=FleetConfig(model, width, algorithm, kp, local_epochs, batch_size or PAPER_BATCH.get(dataset, 128),
+                              lr, momentum, seed, eval_finetune_epochs, eval_finetune, engine),
+            rounds=max(1, round(rounds * scale)),
+            device=device,
+        )
+        summary = run_experiment(config, out, resume=resume, show_progress=progress)
+    except KeyboardInterrupt:
+        _fail(f"interrupted; the last finished round is saved in {out}, continue with --resume", 130)
+    except (ValueError, DataError, RunError, OSError) as e:
+        _fail(str(e))
+    typer.echo(
+        f"{summary['algorithm']} K_P={summary['kp']}: mean accuracy {summary['final_mean_accuracy']:.4f} "
+        f"(std {summary['final_std_accuracy']:.4f}) after {summary['rounds']} rounds, {summary['wall_s']:.1f} s; "
+        f"results in {out}"
+    )
+
+
+@app.command()
+def figure(
+    name: str = typer.Argument(..., help="fig2 | fig3 | fig4 | fig5-6 | fig7-8 | a3 | babu"),
+    scale: float = typer.Option(1.0, help="Fraction (<= 1) of the samples and rounds kept, for smoke runs"),
+    data: Path | None = typer.Option(None, help="Data for the figure (CIFAR root, .npz, FLICKR-AES root)"),
+    dataset: str | None = typer.Option(None, help="Override the figure's dataset (e.g. digits, npz)"),
+    rounds: int = typer.Option(100, help="Rounds before --scale (the paper: 100)"),
+    width: float | None = typer.Option(None, help="Width multiplier (default 1.0)"),
+    local_epochs: int | None = typer.Option(None, help="Local epochs (default 4)"),
+    batch_size: int | None = typer.Option(None, help="Batch size (default 128)"),
+    lr: float | None = typer.Option(None, help="SGD learning rate (default 0.01)"),
+    momentum: float | None = typer.Option(None, help="SGD momentum (default 0)"),
+    clients: int | None = typer.Option(None, help="Clients (default 10; FLICKR-AES 30)"),
+    classes_per_client: int | None = typer.Option(None, help="k for the figures with one k (default 4)"),
+    input_size: int | None = typer.Option(None, help="Image side in pixels (default: the data's)"),
+    seed: int = typer.Option(0, help="Seed of every run"),
+    model: list[str] | None = typer.Option(None, help="Only the curves of this model (repeatable)"),
+    device: str = typer.Option("auto", help="auto (cuda when present, else cpu) | cpu | cuda"),
+    out: Path = typer.Option(Path("runs/figures"), help="Folder for the runs; the PNG is OUT/NAME.png"),
+    progress: bool = typer.Option(True, help="Show a progress bar per run"),
+) -> None:
+    """Run a named grid of experiments (reusing finished runs) and draw the paper's figure as PNG."""
+    from fedper.data import DataError
+    from fedper.emulate.experiment import RunError
+    from fedper.emulate.figures import make_figure
+
+    fleet = {"width": width, "local_epochs": local_epochs, "batch_size": batch_size, "lr": lr, "momentum": momentum}
+    data_opts = {"clients": clients, "classes_per_client": classes_per_client, "input_size": input_size}
+    try:
+        if not 0 < scale <= 1:
+            raise ValueError(f"--scale must lie in (0, 1], got {scale}")
+        png = make_figure(
+            name, out=out, scale=scale, data=data, dataset=dataset, device=device, rounds=rounds,
+            fleet_overrides={k: v for k, v in fleet.items() if v is not None} | {"seed": seed},
+            data_overrides={k: v for k, v in data_opts.items() if v is not None} | {"seed": seed},
+            models=tuple(model or ()), show_progress=progress,
+        )
+    except KeyboardInterrupt:
+        _fail(f"interrupted; finished rounds are kept under {out}, run the same command to continue", 130)
+    except (ValueError, DataError, RunError, OSError) as e:
+        _fail(str(e))
+    typer.echo(f"wrote {png}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

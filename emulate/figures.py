@@ -1,0 +1,161 @@
+"""The paper's figures as named grids of runs, drawn to PNG with matplotlib.
+
+Each curve is one run directory under OUT/NAME/; a finished run is reused and an interrupted one
+resumed, so re-running a figure command continues where it stopped. --scale shrinks rounds and
+data; the other overrides (width, epochs, input size, ...) make smoke runs fit on a small CPU.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from fedper.data import DataError
+from fedper.emulate.data import DataConfig
+from fedper.emulate.experiment import CONFIG, METRICS, STATE, SUMMARY, RunConfig, run_experiment
+from fedper.emulate.fleet import FleetConfig
+
+MODELS = ("mobilenet_v1", "resnet34")
+
+
+@dataclass(frozen=True)
+class Curve:
+    panel: str
+    label: str
+    data: DataConfig
+    fleet: FleetConfig
+
+
+@dataclass(frozen=True)
+class Spec:
+    title: str
+    dataset: str  # the paper's dataset for this figure
+    curves: tuple[Curve, ...]
+    band: bool = False  # shade the per-client spread (min..max) around the mean
+
+
+def _alg(fleet: FleetConfig, algorithm: str, kp: int | None = None) -> FleetConfig:
+    return replace(fleet, algorithm=algorithm, kp=0 if algorithm == "fedavg" else (kp or fleet.kp))
+
+
+def _specs(data: DataConfig, fleet: FleetConfig) -> dict[str, Spec]:
+    """Every figure from a base data and fleet config (the paper's settings unless overridden)."""
+    def vs(models, ks, algorithms, kp=2, d=data, model_in_label=False):
+        return tuple(
+            Curve(f"{m}, k={k}" if len(ks) > 1 else m, a if not model_in_label else f"{a} ({m})",
+                  replace(d, classes_per_client=k), _alg(replace(fleet, model=m), a, kp))
+            for m in models for k in ks for a in algorithms
+        )
+
+    k = data.classes_per_client
+    cifar100 = replace(data, dataset="cifar100", partition="shards", shards=10, clients=max(data.clients, 20))
+    return {
+        "fig2": Spec("FedAvg vs FedPer (CIFAR-10)", "cifar10", vs(MODELS, (4, 8, 10), ("fedavg", "fedper"))),
+        "fig3": Spec("Per-client accuracy spread", "cifar10", vs(MODELS[:1], (k,), ("fedavg", "fedper")), band=True),
+        "fig4": Spec("FedPer with K_P = 1..4 (CIFAR-10)", "cifar10", tuple(
+            Curve(m, f"K_P={kp}", data, replace(fleet, model=m, algorithm="fedper", kp=kp))
+            for m in MODELS for kp in (1, 2, 3, 4)
+        )),
+        "fig5-6": Spec("Base replaced by one linear layer", "cifar10",
+                       vs(("linear_base",), (4, 10), ("fedavg", "fedper"), kp=1)),
+        "fig7-8": Spec("FLICKR-AES", "flickr-aes", vs(MODELS, (k,), ("fedavg", "fedper"))),
+        "a3": Spec("Head fine-tuning (appendix A.3)", "cifar10", vs(MODELS, (k,), ("fedper", "fedper-ft"))),
+        "babu": Spec("FedBABU setting (CIFAR-100, shards)", "cifar100",
+                     vs(MODELS[:1], (k,), ("fedavg", "fedper", "fedbabu", "fedrep", "lg-fedavg"), kp=1, d=cifar100)),
+    }
+
+
+FIGURES = ("fig2", "fig3", "fig4", "fig5-6", "fig7-8", "a3", "babu")
+
+
+def make_figure(
+    name: str,
+    *,
+    out: str | Path,
+    scale: float = 1.0,
+    data: str | Path | None = None,
+    dataset: str | None = None,
+    device: str = "auto",
+    rounds: int = 100,
+    fleet_overrides: dict | None = None,
+    data_overrides: dict | None = None,
+    models: tuple[str, ...] = (),
+    show_progress: bool = True,
+) -> Path:
+    """Run (or reuse) every curve of figure `name` (only those of `models` when given) and write OUT/NAME.png."""
+    if name not in FIGURES:
+        raise ValueError(f"unknown figure {name!r}; choose one of {', '.join(FIGURES)}")
+    base_data = DataConfig(scale=scale, **(data_overrides or {}))
+    base_fleet = FleetConfig(**(fleet_overrides or {}))
+    spec = _specs(base_data, base_fleet)[name]
+    if models:
+        spec = replace(spec, curves=tuple(c for c in spec.curves if c.fleet.model in models))
+        if not spec.curves:
+            raise ValueError(f"figure {name} has no curve for model(s) {', '.join(models)}")
+    chosen = dataset or spec.dataset
+    if chosen != "digits" and data is None:
+        raise DataError(
+            f"figure {name} runs on {chosen}, which needs --data PATH (absent here); "
+            f"pass --data, or --dataset digits for a zero-download smoke run"
+        )
+    out = Path(out) / name
+    runs = []
+    for i, curve in enumerate(spec.curves):
+        flickr = chosen == "flickr-aes"
+        cdata = replace(curve.data, dataset=chosen, data=str(data) if data else None,
+                        clients=30 if flickr and "clients" not in (data_overrides or {}) else curve.data.clients)
+        config = RunConfig(cdata, curve.fleet, max(1, round(rounds * scale)), device)
+        f = curve.fleet
+        run_dir = out / f"{i:02d}-{f.model}-{f.algorithm}-k{cdata.classes_per_client}-kp{f.kp}"
+        if not _finished(run_dir, config):
+            run_experiment(config, run_dir, resume=(run_dir / STATE).exists(), show_progress=show_progress)
+        runs.append((curve, _history(run_dir)))
+    png = out.parent / f"{name}.png"
+    _draw(spec, runs, png, chosen)
+    return png
+
+
+def _finished(run_dir: Path, config: RunConfig) -> bool:
+    if not (run_dir / SUMMARY).exists():
+        return False
+    saved = RunConfig.from_json((run_dir / CONFIG).read_text())
+    return saved == config and json.loads((run_dir / SUMMARY).read_text())["rounds"] == config.rounds
+
+
+def _history(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines() if line.strip()]
+
+
+def _draw(spec: Spec, runs: list[tuple[Curve, list[dict]]], png: Path, dataset: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = list(dict.fromkeys(curve.panel for curve, _ in runs))
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False, sharey=True)
+    for ax, panel in zip(axes.flat, panels, strict=False):
+        for curve, history in runs:
+            if curve.panel != panel:
+                continue
+            x = [m["round"] for m in history]
+            (line,) = ax.plot(x, [m["mean_accuracy"] for m in history], label=curve.label)
+            if spec.band:
+                ax.fill_between(x, [min(m["accuracy"]) for m in history], [max(m["accuracy"]) for m in history],
+                                color=line.get_color(), alpha=0.2)
+        ax.set_title(panel, fontsize=10)
+        ax.set_xlabel("round")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("mean test accuracy")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(f"{spec.title} [{dataset}]", fontsize=11)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=80)
+    plt.close(fig)

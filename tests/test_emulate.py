@@ -1,0 +1,198 @@
+"""The emulated fleet: aggregation, personalization, evaluation, resume and the batched engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from fedper.algorithms import ALGORITHMS
+from fedper.emulate.cli import app
+from fedper.emulate.data import DataConfig, FleetData
+from fedper.emulate.experiment import RunConfig, run_experiment
+from fedper.emulate.fleet import Fleet, FleetConfig
+from fedper.emulate.train import PURPOSE_TRAIN, client_generator, load_tensors, train_client
+from fedper.models import build_model
+
+TINY = {"width": 0.25, "local_epochs": 1, "batch_size": 8, "lr": 0.05}
+
+
+def synthetic(sizes: list[int], classes: int = 4, side: int = 16, seed: int = 0) -> FleetData:
+    """Learnable images: each class has its own mean pattern; client j gets sizes[j] train and 8 test samples."""
+    g = torch.Generator().manual_seed(seed)
+    patterns = torch.randn(classes, 3, side, side, generator=g)
+    n = sum(sizes) + 8 * len(sizes)
+    y = torch.randint(0, classes, (n,), generator=g)
+    x = patterns[y] + 0.5 * torch.randn(n, 3, side, side, generator=g)
+    clients, start = [], 0
+    for size in sizes:
+        clients.append((torch.arange(start, start + size), torch.arange(start + size, start + size + 8)))
+        start += size + 8
+    return FleetData(x=x, y=y, clients=clients, classes=[str(c) for c in range(classes)])
+
+
+def run_rounds(fleet: Fleet, rounds: int):
+    state, history = fleet.init(), []
+    for _ in range(rounds):
+        state, metrics = fleet.run_round(state)
+        history.append(metrics)
+    return state, history
+
+
+def test_fedavg_equals_fedper_at_kp0_bit_for_bit():
+    data = synthetic([24, 16, 20])
+    fedavg = Fleet(FleetConfig(algorithm="fedavg", kp=0, **TINY), data)
+    fedper0 = Fleet(FleetConfig(algorithm="fedper", kp=0, **TINY), data,
+                    algorithm=dataclasses.replace(ALGORITHMS["fedper"], requires_kp0=True))
+    assert fedper0.local_names == [] and fedavg.shared_names == fedper0.shared_names
+    (a, ma), (b, mb) = run_rounds(fedavg, 2), run_rounds(fedper0, 2)
+    for name in a.shared:
+        assert torch.equal(a.shared[name], b.shared[name]), name
+    assert [m["accuracy"] for m in ma] == [m["accuracy"] for m in mb]
+    assert [m["loss"] for m in ma] == [m["loss"] for m in mb]
+
+
+def test_aggregation_weights_are_training_sample_counts():
+    sizes = [8, 40, 17]
+    data = synthetic(sizes)
+    fleet = Fleet(FleetConfig(algorithm="fedper", kp=1, **TINY), data)
+    start = fleet.init()
+    new, _ = fleet.run_round(start)
+    trained = []  # each client's training redone by hand, from the same start and batches
+    model = build_model("mobilenet_v1", 4, 0.25, 16)
+    for j, (train_idx, _) in enumerate(data.clients):
+        load_tensors(model, start.shared, start.local[j])
+        train_client(model, fleet.manifest, ALGORITHMS["fedper"].phases, data.x, data.y, train_idx,
+                     local_epochs=1, batch_size=8, lr=0.05, momentum=0.0,
+                     generator=client_generator(0, 0, j, PURPOSE_TRAIN))
+        trained.append({n: t.double() for n, t in model.state_dict().items() if n in start.shared})
+    name = "stem.0.weight"
+    weighted = sum(n * t[name] for n, t in zip(sizes, trained, strict=True)) / sum(sizes)
+    plain = sum(t[name] for t in trained) / len(trained)
+    assert torch.allclose(new.shared[name].double(), weighted, atol=1e-6)
+    assert not torch.allclose(new.shared[name].double(), plain, atol=1e-4)
+    for n in new.shared:
+        hand = sum(s * t[n] for s, t in zip(sizes, trained, strict=True)) / sum(sizes)
+        assert torch.allclose(new.shared[n].double(), hand, atol=1e-5), n
+
+
+def test_a_clients_head_is_untouched_by_another_clients_training():
+    data = synthetic([16, 16, 16])
+    other = dataclasses.replace(data, y=data.y.clone())
+    train_1 = data.clients[1][0]
+    other.y[train_1] = (other.y[train_1] + 1) % 4  # client 1 learns something else
+    heads = []
+    for d in (data, other):
+        fleet = Fleet(FleetConfig(algorithm="fedper", kp=2, **TINY), d)
+        state, _ = fleet.run_round(fleet.init())
+        heads.append(state.local)
+    assert fleet.local_names and all(n.startswith(("classifier.", "blocks.12.")) for n in fleet.local_names)
+    for n in fleet.local_names:
+        assert torch.equal(heads[0][0][n], heads[1][0][n]), n  # client 0: identical
+        assert torch.equal(heads[0][2][n], heads[1][2][n]), n  # client 2: identical
+    assert any(not torch.equal(heads[0][1][n], heads[1][1][n]) for n in fleet.local_names)
+
+
+def test_fedbabu_keeps_the_head_at_its_shared_initialization():
+    data = synthetic([16, 12])
+    fleet = Fleet(FleetConfig(algorithm="fedbabu", kp=1, **TINY), data)
+    start = fleet.init()
+    state, metrics = fleet.run_round(start)
+    for j in range(2):
+        for n in fleet.local_names:
+            assert torch.equal(state.local[j][n], start.local[0][n]), n
+    assert any(not torch.equal(state.shared[n], start.shared[n]) for n in fleet.shared_names)
+    assert len(metrics["accuracy"]) == 2
+
+
+@pytest.mark.parametrize(("algorithm", "kp"), [("fedavg", 0), ("fedper", 2)])
+def test_clients_are_evaluated_on_the_new_aggregate_plus_their_own_head(algorithm, kp):
+    data = synthetic([16, 24, 20])
+    fleet = Fleet(FleetConfig(algorithm=algorithm, kp=kp, **TINY), data)
+    state, metrics = fleet.run_round(fleet.init())
+    for j, (_, test_idx) in enumerate(data.clients):
+        served = build_model("mobilenet_v1", 4, 0.25, 16)
+        missing, unexpected = served.load_state_dict({**state.shared, **state.local[j]}, strict=False)
+        assert not unexpected and all(m.endswith("num_batches_tracked") for m in missing)
+        served.eval()
+        with torch.no_grad():
+            predicted = served(data.x[test_idx]).argmax(1)
+        assert metrics["accuracy"][j] == pytest.approx(float((predicted == data.y[test_idx]).float().mean()))
+    if algorithm == "fedavg":  # one global model: the same test set gives every client the same accuracy
+        same = dataclasses.replace(data, clients=[(tr, data.clients[0][1]) for tr, _ in data.clients])
+        _, m = Fleet(FleetConfig(algorithm="fedavg", kp=0, **TINY), same).run_round(fleet.init())
+        assert len(set(m["accuracy"])) == 1 and len(set(m["loss"])) == 1
+
+
+@pytest.mark.parametrize("algorithm", ["fedper", "fedrep"])
+def test_vmap_engine_matches_the_sequential_one(algorithm):
+    """In float64: a randomly initialized deep net amplifies float32 rounding to ~1e-3 in either engine."""
+    data = synthetic([17, 9, 24])  # unequal sizes: groups of clients change within an epoch
+    data = dataclasses.replace(data, x=data.x.double())
+    config = FleetConfig(algorithm=algorithm, kp=2, momentum=0.9, **TINY)
+    sequential = Fleet(dataclasses.replace(config, engine="sequential"), data)
+    batched = Fleet(dataclasses.replace(config, engine="vmap"), data)
+    assert batched.engine == "vmap"
+    for fleet in (sequential, batched):
+        fleet.model.double()
+        fleet.initial = {n: t.double() for n, t in fleet.initial.items()}
+    (a, ma), (b, mb) = run_rounds(sequential, 2), run_rounds(batched, 2)
+    for n in a.shared:
+        assert torch.allclose(a.shared[n], b.shared[n], atol=1e-9), n
+    for j in range(3):
+        for n in a.local[j]:
+            assert torch.allclose(a.local[j][n], b.local[j][n], atol=1e-9), n
+    assert np.allclose(ma[-1]["loss"], mb[-1]["loss"], atol=1e-9)
+    assert not torch.equal(a.shared["stem.0.weight"], sequential.initial["stem.0.weight"])
+
+
+def digits_config(rounds: int) -> RunConfig:
+    return RunConfig(
+        data=DataConfig("digits", clients=3, classes_per_client=3, input_size=16, scale=0.2, seed=1),
+        fleet=FleetConfig(width=0.25, kp=2, local_epochs=1, batch_size=16, lr=0.05, seed=1),
+        rounds=rounds,
+        device="cpu",
+    )
+
+
+def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path):
+    whole = run_experiment(digits_config(3), tmp_path / "whole", show_progress=False)
+    runner = CliRunner()
+    args = ["run", "--dataset", "digits", "--clients", "3", "--classes-per-client", "3", "--input-size", "16",
+            "--width", "0.25", "--local-epochs", "1", "--batch-size", "16", "--lr", "0.05", "--seed", "1",
+            "--device", "cpu", "--out", str(tmp_path / "split"), "--no-progress"]
+    # --scale 0.2 shrinks rounds too: 10 rounds * 0.2 = 2, then resume to 15 * 0.2 = 3
+    first = runner.invoke(app, [*args, "--rounds", "10", "--scale", "0.2"])
+    assert first.exit_code == 0, first.output
+    assert json.loads((tmp_path / "split" / "summary.json").read_text())["rounds"] == 2
+    again = runner.invoke(app, [*args, "--rounds", "10", "--scale", "0.2"])
+    assert again.exit_code == 2 and "--resume" in again.output
+    resumed = runner.invoke(app, [*args, "--rounds", "15", "--scale", "0.2", "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    lines = [json.loads(x) for x in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    wanted = [json.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["round"] for m in lines] == [1, 2, 3]
+    assert [(m["accuracy"], m["loss"]) for m in lines] == [(m["accuracy"], m["loss"]) for m in wanted]
+    a = torch.load(tmp_path / "whole" / "state.pt", weights_only=True)
+    b = torch.load(tmp_path / "split" / "state.pt", weights_only=True)
+    assert all(torch.equal(a["shared"][n], b["shared"][n]) for n in a["shared"])
+    assert whole["rounds"] == 3
+
+
+def test_cli_reports_bad_input_in_one_line(tmp_path):
+    result = CliRunner().invoke(app, ["run", "--dataset", "cifar10", "--out", str(tmp_path / "x")])
+    assert result.exit_code == 2
+    assert "needs --data" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(app, ["run", "--algorithm", "fedsgd", "--out", str(tmp_path / "y")])
+    assert result.exit_code == 2 and "unknown algorithm" in result.output
+
+
+def test_figure_without_its_dataset_says_which_is_missing(tmp_path):
+    result = CliRunner().invoke(app, ["figure", "fig7-8", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "flickr-aes" in result.output and "--data" in result.output
+    result = CliRunner().invoke(app, ["figure", "fig9", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "unknown figure" in result.output
