@@ -1,0 +1,58 @@
+"""Every benchmark, one table each; JSON under --out. What `make bench` runs.
+
+    python benchmarks/run_all.py [--quick] [--out runs/bench] [--only wire coordinator ...]
+
+Timings are only ever compared as ratios within one run (see docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from common import machine
+
+HERE = Path(__file__).resolve().parent
+MODULES = ("device_training", "coordinator", "wire", "round_latency")  # each has run(out, quick) -> table
+EXPORT_TABLE = "export_table"  # its own script and options; left out of --quick (it exports 8 full models)
+
+
+def run_export_table(out: Path) -> str:
+    script, result = HERE / f"{EXPORT_TABLE}.py", out / f"{EXPORT_TABLE}.json"
+    done = subprocess.run([sys.executable, str(script), "--out", str(result)], capture_output=True, text=True,
+                          check=True)
+    return done.stdout.strip()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/bench"), help="folder for the JSON results")
+    parser.add_argument("--quick", action="store_true", help="a fast smoke subset of every benchmark")
+    parser.add_argument("--only", nargs="+", choices=(*MODULES, EXPORT_TABLE), help="run just these")
+    args = parser.parse_args()
+    names = args.only or [*MODULES, *(() if args.quick else (EXPORT_TABLE,))]
+    print(f"machine: {machine()}; {'quick' if args.quick else 'full'} run; JSON in {args.out}/")
+    failed = []
+    for name in names:
+        print(f"\n## {name}\n", flush=True)
+        start = time.perf_counter()
+        try:
+            text = run_export_table(args.out) if name == EXPORT_TABLE else \
+                importlib.import_module(name).run(args.out, args.quick)
+        except Exception:  # one broken benchmark must not hide the others' results
+            traceback.print_exc()
+            failed.append(name)
+            continue
+        print(text)
+        print(f"\n({name}: {time.perf_counter() - start:.0f} s)", flush=True)
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()

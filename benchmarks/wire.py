@@ -1,0 +1,121 @@
+"""Bytes on the wire per device per round, fp32 and with the opt-in update codecs, and their accuracy cost.
+
+Per device and round: the base model comes down (the shared tensors, fp32) and the update goes
+up (the shared tensors through fedper.compression's codec), both as safetensors blobs cut into
+protocol v1 chunk frames (fedper.wire.chunk, 63 KiB chunks); MQTT's own few bytes per publish
+are not counted. The accuracy cost: the emulator on digits (real images) with every client's
+shared tensors encoded and decoded by the codec before aggregation, same seed for every codec.
+
+    python benchmarks/wire.py [--quick] [--out runs/bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from common import table, write_json
+
+from fedper.compression import CODECS, pack, unpack
+from fedper.models import build_model, describe, exported_state
+from fedper.wire import UpdateMeta, chunk
+
+MODELS = (("mobilenet_v1", 1.0), ("resnet34", 1.0))
+KPS = (1, 2, 3, 4)
+
+
+def shared_tensors(arch: str, width: float, kp: int) -> tuple[Any, dict[str, np.ndarray]]:
+    net = build_model(arch, 10, width, 32)
+    manifest = describe(net, architecture=arch, kp=kp, algorithm="fedper", input_size=32, width=width)
+    state = exported_state(net)
+    return manifest, {n: state[n].detach().numpy() for n in manifest.names(shared=True)}
+
+
+def framed_bytes(blob: bytes, meta: dict[str, Any]) -> int:
+    return sum(len(frame) for frame in chunk(blob, blob_id="r1-device-0001", meta=meta))
+
+
+def sizes(models=MODELS, kps=KPS) -> list[dict[str, Any]]:
+    rows = []
+    for arch, width in models:
+        for kp in kps:
+            manifest, tensors = shared_tensors(arch, width, kp)
+            meta = {k: v for k, v in json.loads(UpdateMeta(1, 500, manifest.base_digest).encode()).items() if k != "v"}
+            down = framed_bytes(pack(tensors, "fp32"), {"round": 1})
+            for codec in CODECS:
+                blob = pack(tensors, codec)
+                up = framed_bytes(blob, {**meta, "codec": codec})
+                rows.append({"model": arch, "width": width, "kp": kp, "codec": codec, "shared_params":
+                             sum(v.size for v in tensors.values()), "update_blob": len(blob), "up": up,
+                             "down": down, "framing_overhead": up / len(blob) - 1, "total": up + down})
+    return rows
+
+
+def accuracy_cost(rounds: int) -> list[dict[str, Any]]:
+    """Final mean client accuracy with each codec applied to every update (digits, MobileNet-v1 w0.25)."""
+    import torch
+
+    from fedper.emulate.data import DataConfig, load_fleet_data
+    from fedper.emulate.fleet import Fleet, FleetConfig
+
+    class CompressedFleet(Fleet):
+        """A fleet whose clients send their shared tensors through a codec, as a device would."""
+
+        codec = "fp32"
+
+        def _train(self, state):  # the emulator's per-client hook: (shared, local) after local training
+            for shared, local in super()._train(state):
+                _, back = unpack(pack({n: v.cpu().numpy() for n, v in shared.items()}, self.codec))
+                yield {n: torch.from_numpy(back[n]).to(v.device) for n, v in shared.items()}, local
+
+    data = load_fleet_data(DataConfig(dataset="digits", clients=5, classes_per_client=4, seed=0))
+    config = FleetConfig(model="mobilenet_v1", width=0.25, algorithm="fedper", kp=2, local_epochs=1, batch_size=32,
+                         lr=0.05, seed=0, engine="sequential")
+    rows = []
+    for codec in CODECS:
+        fleet = CompressedFleet(config, data)
+        fleet.codec = codec
+        state, history = fleet.init(), []
+        for _ in range(rounds):
+            state, metrics = fleet.run_round(state)
+            history.append(metrics["mean_accuracy"])
+        rows.append({"codec": codec, "rounds": rounds, "mean_accuracy": history[-1], "history": history})
+    reference = rows[0]["mean_accuracy"]
+    for row in rows:
+        row["delta_vs_fp32"] = row["mean_accuracy"] - reference
+    return rows
+
+
+def run(out: Path, quick: bool = False) -> str:
+    rows = sizes(MODELS[:1], (1,)) if quick else sizes()
+    accuracy = [] if quick else accuracy_cost(rounds=5)
+    write_json(out, "wire", {"sizes": rows, "accuracy": accuracy,
+                             "accuracy_setup": "digits, 5 clients x 4 classes, MobileNet-v1 w0.25, FedPer K_P=2, "
+                                               "1 local epoch, B=32, lr 0.05, seed 0"})
+    text = table(["model", "K_P", "codec", "shared values", "up MB", "down MB (fp32)", "framing overhead",
+                  "MB per device per round", "up vs fp32"],
+                 [[r["model"], r["kp"], r["codec"], f"{r['shared_params']:,}", r["up"] / 1e6, r["down"] / 1e6,
+                   f"{r['framing_overhead']:.2%}", r["total"] / 1e6,
+                   r["up"] / next(s["up"] for s in rows if (s["model"], s["kp"], s["codec"]) ==
+                                  (r["model"], r["kp"], "fp32"))] for r in rows])
+    if accuracy:
+        text += "\n\naccuracy cost (digits, 5 clients x 4 classes, MobileNet-v1 w0.25, FedPer K_P=2, 5 rounds):\n"
+        text += table(["codec", "final mean accuracy", "vs fp32", "per round"],
+                      [[r["codec"], r["mean_accuracy"], f"{r['delta_vs_fp32']:+.4f}",
+                        " ".join(f"{a:.3f}" for a in r["history"])] for r in accuracy])
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/bench"), help="folder for wire.json")
+    parser.add_argument("--quick", action="store_true", help="MobileNet-v1 at K_P=1 only, no accuracy run")
+    args = parser.parse_args()
+    print(run(args.out, args.quick))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""The update codecs: exact fp32, bounded fp16/int8 error, refusal of anything malformed."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+from safetensors.numpy import save as st_save
+
+from fedper.compression import CODECS, QUANT_KEY, CodecError, decode, encode, pack, unpack
+
+finite32 = st.floats(-1e4, 1e4, allow_nan=False, allow_infinity=False, width=32)
+tensor_dicts = st.dictionaries(
+    st.from_regex(r"[a-z][a-z0-9_.]{0,12}", fullmatch=True),
+    arrays(np.float32, st.tuples(st.integers(0, 4), st.integers(1, 5)), elements=finite32),
+    min_size=1, max_size=4,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(tensor_dicts)
+def test_fp32_round_trip_is_exact(tensors):
+    codec, back = unpack(pack(tensors, "fp32"))
+    assert codec == "fp32" and back.keys() == tensors.keys()
+    for name, x in tensors.items():
+        assert back[name].dtype == np.float32
+        np.testing.assert_array_equal(back[name], x)
+
+
+@settings(max_examples=40, deadline=None)
+@given(tensor_dicts)
+def test_fp16_error_is_within_half_precision(tensors):
+    _, back = unpack(pack(tensors, "fp16"))
+    for name, x in tensors.items():
+        assert back[name].dtype == np.float32
+        # float16 keeps 11 significant bits; below 2**-14 the absolute step is 2**-24
+        np.testing.assert_allclose(back[name], x, rtol=2.0**-11, atol=2.0**-24)
+
+
+@settings(max_examples=40, deadline=None)
+@given(tensor_dicts)
+def test_int8_error_is_within_half_a_step(tensors):
+    arrays_, metadata = encode(tensors, "int8")
+    quant = json.loads(metadata[QUANT_KEY])
+    _, back = unpack(pack(tensors, "int8"))
+    for name, x in tensors.items():
+        assert arrays_[name].dtype == np.uint8 and back[name].dtype == np.float32
+        if x.size:
+            lo, scale = quant[name]
+            assert lo == x.min()
+            bound = scale / 2 + 4 * np.spacing(np.float32(np.abs(x).max()))
+            assert np.abs(back[name].astype(np.float64) - x).max() <= bound
+
+
+def test_blob_sizes_shrink_and_integers_pass_through():
+    rng = np.random.default_rng(0)
+    tensors = {"w": rng.standard_normal((64, 64)).astype(np.float32), "steps": np.arange(3, dtype=np.int64)}
+    sizes = {codec: len(pack(tensors, codec)) for codec in CODECS}
+    assert sizes["fp16"] < 0.55 * sizes["fp32"] and sizes["int8"] < 0.3 * sizes["fp32"]
+    for codec in CODECS:
+        np.testing.assert_array_equal(unpack(pack(tensors, codec))[1]["steps"], tensors["steps"])
+
+
+@pytest.mark.parametrize(("tensors", "codec", "match"), [
+    ({"w": np.ones(2, np.float32)}, "bf16", "unknown codec"),
+    ({"w": np.array([1.0, np.nan], np.float32)}, "int8", "NaN or Inf"),
+    ({"w": np.array([np.inf], np.float32)}, "fp32", "NaN or Inf"),
+    ({"w": np.array([1e5], np.float32)}, "fp16", "float16 range"),
+    ({"w": np.ones(2, np.float64)}, "fp32", "float32 tensors"),
+    ({"w": np.ones(2, np.uint8)}, "int8", "float32 tensors"),
+])
+def test_encode_refuses(tensors, codec, match):
+    with pytest.raises(CodecError, match=match):
+        encode(tensors, codec)
+
+
+def _blob(arrays_: dict, metadata: dict) -> bytes:
+    return st_save(arrays_, metadata=metadata)
+
+
+@pytest.mark.parametrize(("blob", "match"), [
+    (b"\x00" * 3, "not a valid safetensors"),
+    (b"garbage that is not a safetensors blob", "not a valid safetensors"),
+    (_blob({"w": np.ones(2, np.float32)}, {}), "unknown codec"),
+    (_blob({"w": np.ones(2, np.float32)}, {"fedper.codec": "zip"}), "unknown codec"),
+    (_blob({"w": np.ones(2, np.float32)}, {"fedper.codec": "fp16"}), "not what codec fp16 writes"),
+    (_blob({"w": np.ones(2, np.float16)}, {"fedper.codec": "fp32"}), "not what codec fp32 writes"),
+    (_blob({"w": np.array([np.inf], np.float16)}, {"fedper.codec": "fp16"}), "NaN or Inf"),
+    (_blob({"w": np.ones(2, np.uint8)}, {"fedper.codec": "int8"}), "without valid"),
+    (_blob({"w": np.ones(2, np.uint8)}, {"fedper.codec": "int8", QUANT_KEY: "{}"}), "parameters are missing"),
+    (_blob({"w": np.ones(2, np.uint8)}, {"fedper.codec": "int8", QUANT_KEY: '{"w":[0,-1]}'}), "scale >= 0"),
+    (_blob({"w": np.ones(2, np.uint8)}, {"fedper.codec": "int8", QUANT_KEY: '{"w":[0]}'}), "lo, scale"),
+    (_blob({"w": np.ones(2, np.uint8)}, {"fedper.codec": "int8", QUANT_KEY: '{"w":[0,1],"v":[0,1]}'}),
+     "not in the blob"),
+    (_blob({"w": np.ones(2, np.uint8)}, {"fedper.codec": "int8", QUANT_KEY: '{"w":[3e38,1e38]}'}), "NaN or Inf"),
+    (_blob({"w": np.ones(2, np.float32)}, {"fedper.codec": "int8", QUANT_KEY: '{"w":[0,1]}'}), "not what codec"),
+])
+def test_unpack_refuses_malformed_blobs(blob, match):
+    with pytest.raises(CodecError, match=match):
+        unpack(blob)
+
+
+def test_decode_needs_a_codec():
+    with pytest.raises(CodecError, match="unknown codec"):
+        decode({"w": np.ones(1, np.float32)}, {})
