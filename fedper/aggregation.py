@@ -19,8 +19,8 @@ def _as_float64(x: Tensor) -> Tensor:
     return x.double() if hasattr(x, "double") else x.astype("float64")
 
 
-def _as_dtype_of(acc: Tensor, like: Tensor) -> Tensor:
-    return acc.to(like.dtype) if hasattr(acc, "to") else acc.astype(like.dtype)
+def _as_dtype(acc: Tensor, dtype: Any) -> Tensor:
+    return acc.to(dtype) if hasattr(acc, "to") else acc.astype(dtype)
 
 
 class WeightedMean:
@@ -28,7 +28,7 @@ class WeightedMean:
 
     def __init__(self) -> None:
         self._sum: dict[str, Tensor] = {}
-        self._like: dict[str, Tensor] = {}
+        self._dtype: dict[str, Any] = {}  # only the dtype: keeping the first update would cost a model's memory
         self.total_weight = 0.0
         self.count = 0
 
@@ -44,7 +44,7 @@ class WeightedMean:
                 self._sum[name] += weighted
             else:
                 self._sum[name] = weighted
-                self._like[name] = value
+                self._dtype[name] = value.dtype
         self.total_weight += float(n_samples)
         self.count += 1
 
@@ -52,7 +52,7 @@ class WeightedMean:
         if not self.count:
             raise ValueError("no update to aggregate")
         return {
-            name: _as_dtype_of(acc * (1.0 / self.total_weight), self._like[name]) for name, acc in self._sum.items()
+            name: _as_dtype(acc * (1.0 / self.total_weight), self._dtype[name]) for name, acc in self._sum.items()
         }
 
 
