@@ -238,7 +238,7 @@ class Coordinator:
             blob = self._reassembler.add(device, chunk)
             if blob is None:
                 return []
-            tensors = decode_tensors(self.manifest, blob.data)
+            tensors = decode_tensors(self.manifest, blob.data, meta.codec)
         except WireError:
             self._remember_rejected(key)
             self._reassembler.discard(device)

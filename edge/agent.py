@@ -84,6 +84,7 @@ class AgentConfig:
     tls_ca: str | None = None
     mqtt_version: str = "5"
     chunk_size: int = DEFAULT_CHUNK_SIZE
+    compression: str = "fp32"  # update codec (fedper.compression): fp32, fp16 or int8
 
 
 @dataclass(frozen=True)
@@ -284,7 +285,7 @@ class Agent:
 
     def _publish_update(self, saved: Saved) -> None:
         meta = UpdateMeta(round=saved.round, n_samples=saved.n_samples, base_digest=saved.base_digest,
-                          metrics=saved.metrics)
+                          metrics=saved.metrics, codec=self.config.compression)
         blob_id = f"r{saved.round}-{secrets.token_hex(4)}"
         topic = self.topics.update(self.config.client_id)
         for frame in update_frames(self.manifest, saved.update, meta, blob_id, self.config.chunk_size):

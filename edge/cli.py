@@ -29,8 +29,10 @@ def run(
     tls_ca: Path = typer.Option(None, help="CA certificate (PEM) to verify the broker with; implies TLS."),
     mqtt_version: str = typer.Option("5", help="MQTT protocol: 5 or 3.1.1."),
     chunk_size: int = typer.Option(63 * 1024, min=1, help="Bytes of tensor data per MQTT message."),
+    compression: str = typer.Option("fp32", help="Update codec: fp32, fp16 (half the bytes) or int8 (a quarter)."),
 ) -> None:
     """Train rounds until the coordinator announces the final model; resumes from --state-dir."""
+    from fedper.compression import check_codec
     from fedper.data import DataError
     from fedper.edge.agent import Agent, AgentConfig, AgentError
     from fedper.edge.backend import BACKENDS
@@ -42,11 +44,12 @@ def run(
         artifacts=artifacts, data=data, broker=broker, fleet=fleet, client_id=client_id, state_dir=state_dir,
         local_epochs=local_epochs, batch_size=batch_size, lr=lr, fine_tune_head=fine_tune_head, backend=backend,
         seed=seed, username=username, password=password, tls_ca=str(tls_ca) if tls_ca else None,
-        mqtt_version=mqtt_version, chunk_size=chunk_size,
+        mqtt_version=mqtt_version, chunk_size=chunk_size, compression=compression,
     )
     try:
         if backend not in BACKENDS:
             raise ValueError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+        check_codec(compression)
         agent = Agent(config, log=lambda line: typer.echo(line, err=True))
         agent.run()
     except (AgentError, DataError, ManifestError, StateError, WireError, ValueError, OSError) as e:

@@ -143,6 +143,14 @@ def unpack(blob: bytes) -> tuple[str, dict[str, np.ndarray]]:
     return check_codec(metadata.get(CODEC_KEY, "")), decode(arrays, metadata)
 
 
+def codec_of(blob: bytes) -> str:
+    """The codec a blob names; a blob that names none is plain fp32 (what `fedper.tensors` writes)."""
+    try:
+        return check_codec(_metadata(bytes(blob)).get(CODEC_KEY, "fp32"))
+    except (struct.error, ValueError, UnicodeDecodeError) as e:
+        raise CodecError(f"not a valid safetensors header: {e}") from None
+
+
 def _metadata(blob: bytes) -> dict[str, str]:
     """The `__metadata__` of a safetensors header (already length-checked by st_load)."""
     (n,) = struct.unpack_from("<Q", blob)

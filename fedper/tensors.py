@@ -22,7 +22,7 @@ class TensorError(ValueError):
     """A blob or a mapping whose tensors do not match the manifest's shared layout."""
 
 
-def _check(manifest: Manifest, tensors: Mapping[str, np.ndarray], *, what: str) -> None:
+def check_shared(manifest: Manifest, tensors: Mapping[str, np.ndarray], *, what: str) -> None:
     expected = {t.name: t for t in manifest.shared_tensors}
     unknown = sorted(set(tensors) - set(expected))
     if unknown:
@@ -45,7 +45,7 @@ def _check(manifest: Manifest, tensors: Mapping[str, np.ndarray], *, what: str) 
 
 def pack_shared(manifest: Manifest, tensors: Mapping[str, np.ndarray]) -> bytes:
     """safetensors bytes of exactly the shared tensors, in manifest order."""
-    _check(manifest, tensors, what="pack")
+    check_shared(manifest, tensors, what="pack")
     return st_save({t.name: np.ascontiguousarray(tensors[t.name]) for t in manifest.shared_tensors})
 
 
@@ -55,5 +55,5 @@ def unpack_shared(manifest: Manifest, blob: bytes) -> dict[str, np.ndarray]:
         tensors = st_load(bytes(blob))
     except (SafetensorError, ValueError, OSError) as e:
         raise TensorError(f"not a valid safetensors blob: {e}") from None
-    _check(manifest, tensors, what="unpack")
+    check_shared(manifest, tensors, what="unpack")
     return {t.name: tensors[t.name] for t in manifest.shared_tensors}

@@ -20,8 +20,9 @@ from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
+from fedper import compression
 from fedper.manifest import Manifest
-from fedper.tensors import TensorError, pack_shared, unpack_shared
+from fedper.tensors import TensorError, check_shared, pack_shared, unpack_shared
 
 VERSION = 1
 PREFIX = f"fedper/v{VERSION}"
@@ -203,7 +204,8 @@ class UpdateMeta(Message):
     n_samples: int
     base_digest: str
     metrics: dict[str, float] = field(default_factory=dict)
-    _optional: ClassVar[frozenset[str]] = frozenset({"metrics"})
+    codec: str = "fp32"  # fedper.compression codec of the blob: fp32, fp16 or int8
+    _optional: ClassVar[frozenset[str]] = frozenset({"metrics", "codec"})
 
 
 @dataclass(frozen=True)
@@ -400,16 +402,31 @@ def model_frames(manifest: Manifest, tensors: Mapping[str, np.ndarray], blob_id:
 
 def update_frames(manifest: Manifest, tensors: Mapping[str, np.ndarray], meta: UpdateMeta, blob_id: str,
                   chunk_size: int = DEFAULT_CHUNK_SIZE) -> list[bytes]:
-    """Chunk frames of a device's update: the shared tensors only, each chunk carrying `meta`."""
+    """Chunk frames of a device's update: the shared tensors only, each chunk carrying `meta`.
+
+    pack_shared runs first in every case: it is what refuses device-local tensors; a compressing
+    codec then re-encodes exactly the tensors it accepted."""
     fields_ = {k: v for k, v in json.loads(meta.encode()).items() if k != "v"}
-    return chunk(pack_shared(manifest, tensors), chunk_size, blob_id, fields_)
+    blob = pack_shared(manifest, tensors)
+    if meta.codec != "fp32":
+        blob = compression.pack({t.name: tensors[t.name] for t in manifest.shared_tensors}, meta.codec)
+    return chunk(blob, chunk_size, blob_id, fields_)
 
 
-def decode_tensors(manifest: Manifest, blob: bytes) -> dict[str, np.ndarray]:
-    """unpack_shared, with its refusals (layout, dtype, shape, NaN/Inf) as WireError("bad_tensors")."""
+def decode_tensors(manifest: Manifest, blob: bytes, codec: str | None = None) -> dict[str, np.ndarray]:
+    """The blob's shared tensors, decompressed when it says so (`fedper.codec` in its metadata) and
+    validated against the manifest (layout, dtype, shape, NaN/Inf); any refusal is
+    WireError("bad_tensors"). `codec`, when given, is what the sender announced: it must match."""
     try:
-        return unpack_shared(manifest, blob)
-    except TensorError as e:
+        blob_codec = compression.codec_of(blob)
+        if codec is not None and codec != blob_codec:
+            raise WireError("bad_tensors", f"the update announces codec {codec!r}, its blob is {blob_codec!r}")
+        if blob_codec == "fp32":
+            return unpack_shared(manifest, blob)
+        _, tensors = compression.unpack(blob)
+        check_shared(manifest, tensors, what="unpack")
+        return {t.name: tensors[t.name] for t in manifest.shared_tensors}
+    except (TensorError, compression.CodecError) as e:
         raise WireError("bad_tensors", str(e)) from None
 
 

@@ -1,0 +1,62 @@
+"""Compressed updates on the wire: a device announces its codec, the coordinator decodes and checks it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fedper.models import build_model, describe, exported_state
+from fedper.tensors import TensorError
+from fedper.wire import Reassembler, UpdateMeta, WireError, decode_chunk, decode_tensors, update_frames
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    model = build_model("mobilenet_v1", 4, width=0.25)
+    manifest = describe(model, architecture="mobilenet_v1", kp=2, algorithm="fedper", input_size=32)
+    state = {k: v.numpy() for k, v in exported_state(model).items()}
+    shared = {n: state[n] for n in manifest.names(shared=True)}
+    return manifest, state, shared
+
+
+def send(manifest, tensors, codec: str) -> tuple[bytes, str]:
+    """What the coordinator reassembles from a device's update frames, and the codec the chunks announce."""
+    meta = UpdateMeta(round=1, n_samples=10, base_digest=manifest.base_digest, codec=codec)
+    r = Reassembler(1 << 24)
+    for frame in update_frames(manifest, tensors, meta, "r1-test", chunk_size=32 * 1024):
+        blob = r.add("dev", frame)
+    return blob.data, decode_chunk(frame).meta["codec"]
+
+
+@pytest.mark.parametrize(
+    ("codec", "ratio", "tolerance"), [("fp32", 1.0, 0.0), ("fp16", 0.5, 1e-3), ("int8", 0.25, 0.01)]
+)
+def test_codecs_shrink_the_update_and_decode_within_their_precision(fleet, codec, ratio, tolerance) -> None:
+    manifest, _, shared = fleet
+    blob, announced = send(manifest, shared, codec)
+    plain, _ = send(manifest, shared, "fp32")
+    assert announced == codec
+    assert ratio * len(plain) <= len(blob) <= 1.1 * ratio * len(plain)  # int8 adds its parameters as metadata
+    decoded = decode_tensors(manifest, blob, codec)
+    for name, value in shared.items():
+        assert decoded[name].dtype == value.dtype and decoded[name].shape == value.shape
+        scale = float(np.abs(value).max()) or 1.0
+        assert np.abs(decoded[name] - value).max() <= tolerance * scale, name
+
+
+@pytest.mark.parametrize("codec", ["fp16", "int8"])
+def test_compressed_updates_still_refuse_device_local_tensors(fleet, codec) -> None:
+    manifest, state, _ = fleet
+    meta = UpdateMeta(round=1, n_samples=10, base_digest=manifest.base_digest, codec=codec)
+    with pytest.raises(TensorError, match="never leave a device"):
+        update_frames(manifest, state, meta, "r1-x")
+
+
+def test_a_codec_that_does_not_match_the_blob_is_refused(fleet) -> None:
+    manifest, _, shared = fleet
+    blob, _ = send(manifest, shared, "int8")
+    with pytest.raises(WireError) as refused:
+        decode_tensors(manifest, blob, "fp16")
+    assert refused.value.code == "bad_tensors"
+    with pytest.raises(WireError, match="codec"):
+        decode_tensors(manifest, blob, "zip")
