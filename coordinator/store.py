@@ -16,6 +16,8 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
+from fedper import files
+
 STATE_FILE = "state.json"
 METRICS_FILE = "metrics.jsonl"
 FINAL_FILE = "final.safetensors"
@@ -26,20 +28,9 @@ class CheckpointError(RuntimeError):
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        files.atomic_write(path, data)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise CheckpointError(f"cannot write {path}: {e}") from e
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save as st_save
 
+from fedper import files
 from fedper.manifest import Manifest
 
 SPLIT_FILE = "split.json"
@@ -36,21 +36,10 @@ class StateError(RuntimeError):
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that readers see the old content or the new, never a mix."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    """fedper.files.atomic_write, with a failure explained in the agent's terms."""
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        files.atomic_write(path, data)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         hint = " (disk full)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
         raise StateError(f"cannot save {path}{hint}: {e.strerror or e}; the previous state is kept") from e
 

@@ -1,0 +1,28 @@
+"""Writes that a crash or a full disk cannot leave half done: the coordinator's and the agent's state."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Readers see the old content or the new, never a mix: temp file, fsync, rename, fsync the folder.
+
+    On any OSError (e.g. ENOSPC) the temp file is removed, `path` keeps its old content, and the
+    error propagates for the caller to explain in its own terms."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
