@@ -4,7 +4,8 @@ A backend holds the device's whole model (shared + device-local tensors, by mani
 trains the set of tensors a phase names ("all", "head" or "base"). Two implementations:
 `ort_backend.OrtBackend` (onnxruntime-training, the artifacts' own graphs) and
 `torch_backend.TorchBackend` (PyTorch, for devices without an onnxruntime-training build).
-Both walk the same seeded batch order, so from the same state and data they make the same update.
+Both walk the kernel's seeded batch order (fedper.batches), so from the same state and data they
+make the same update, and the same one as the emulator.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Protocol
 
 import numpy as np
 
+from fedper.batches import epoch_batches
 from fedper.manifest import Manifest, ManifestError
 from fedper.verify import verify
 
@@ -25,16 +27,10 @@ EVAL_BATCH = 256
 
 
 def batch_order(n: int, batch_size: int, epoch: int, seed: int | Sequence[int]) -> list[np.ndarray]:
-    """One epoch's batches: a permutation of range(n) drawn from default_rng([*seed, epoch]), cut into
-    batch_size pieces. A ragged last batch is dropped (ORT_NOTES: batches of 1-2 blow up in ORT)
-    unless it is the only batch (n < batch_size). The emulator must cut batches the same way."""
-    if n < 1 or batch_size < 1:
-        raise ValueError(f"need at least one sample and a batch size >= 1, got n={n}, batch_size={batch_size}")
-    rng = np.random.default_rng([*np.atleast_1d(seed).tolist(), epoch])
-    perm = rng.permutation(n)
-    if n < batch_size:
-        return [perm]
-    return [perm[i : i + batch_size] for i in range(0, n - batch_size + 1, batch_size)]
+    """One epoch's batches, keyed (*seed, epoch): the agent passes (its --seed, round, phase index),
+    so the key is the kernel's (client_seed, round, phase_index, epoch) and the emulator draws the
+    same batches (fedper.batches)."""
+    return epoch_batches(n, batch_size, [*np.atleast_1d(seed).tolist(), epoch])
 
 
 @dataclass(frozen=True)
@@ -59,7 +55,8 @@ class Backend(Protocol):
         self, trained: str, x: np.ndarray, y: np.ndarray, *, epochs: int, batch_size: int, lr: float,
         seed: int | Sequence[int],
     ) -> TrainStats:
-        """Plain SGD on the `trained` tensors ("all", "head" or "base") over batch_order's batches."""
+        """Plain SGD on the `trained` tensors ("all", "head" or "base") over batch_order's batches;
+        `seed` is (client_seed, round, phase index), the agent's --seed being its client_seed."""
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
         """(accuracy, mean loss) of the model as it is now, in inference mode."""

@@ -23,7 +23,11 @@ def run(
     lr: float = typer.Option(0.01, min=0.0, help="SGD learning rate (eta)."),
     fine_tune_head: bool = typer.Option(False, help="Train the head alone for one epoch before the base + head."),
     backend: str = typer.Option("ort", help="Local training runtime: ort (onnxruntime-training) or torch."),
-    seed: int = typer.Option(0, help="Seed of the train/test split and of the batch order."),
+    seed: int = typer.Option(
+        0,
+        help="Seed of the train/test split and of the batch order "
+        "(fedper.batches; emulated client j uses client_seed(run_seed, j)).",
+    ),
     username: str = typer.Option(None, help="Broker user name."),
     password: str = typer.Option(None, help="Broker password.", envvar="FEDPER_MQTT_PASSWORD"),
     tls_ca: Path = typer.Option(None, help="CA certificate (PEM) to verify the broker with; implies TLS."),

@@ -7,8 +7,8 @@ an ORT device never loads torch through it. The weights are the artifacts' own: 
 read by name from inference.onnx (the manifest names equal the state_dict keys).
 
 BatchNorm: onnxruntime-training updates running_var with the biased batch variance, PyTorch with
-the unbiased one. A forward hook moves PyTorch's update onto ORT's, so that both backends produce
-the same update from the same state and data.
+the unbiased one. The kernel's `ort_running_var` hook moves PyTorch's update onto ORT's, so that
+both backends produce the same update from the same state and data.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedper.batches import ort_running_var
 from fedper.edge.backend import TrainStats, evaluate_batches, run_epochs, trained_names
 from fedper.manifest import Manifest, ManifestError
 
@@ -37,24 +38,6 @@ def inference_weights(artifacts: Path, manifest: Manifest) -> dict[str, np.ndarr
     return {n: found[n] for n in manifest.names()}
 
 
-def _biased_running_var(module, inputs) -> None:
-    """Before a training-mode BN forward, shift running_var so that PyTorch's update with the
-    unbiased batch variance lands where onnxruntime's update with the biased one does:
-    (1-m)(rv - c/(1-m)) + m*var_unbiased = (1-m)rv + m*var_biased, c = m*var_biased/(n-1).
-    (After the forward would be simpler, but autograd has saved running_var by then.)"""
-    import torch
-
-    if not module.training:
-        return
-    x = inputs[0]
-    n = x.numel() // x.shape[1]
-    if n < 2:
-        return
-    with torch.no_grad():
-        var = x.var(dim=[d for d in range(x.dim()) if d != 1], unbiased=False)
-        module.running_var.sub_(module.momentum * var / ((n - 1) * (1 - module.momentum)))
-
-
 class TorchBackend:
     def __init__(self, artifacts: Path, manifest: Manifest) -> None:
         import torch
@@ -70,7 +53,7 @@ class TorchBackend:
             raise ManifestError(f"the model built from the manifest does not match its tensors: {unknown[:3]}")
         for bn in self.model.modules():
             if isinstance(bn, torch.nn.modules.batchnorm._BatchNorm):
-                bn.register_forward_pre_hook(_biased_running_var)
+                bn.register_forward_pre_hook(ort_running_var)
         self.load(inference_weights(artifacts, manifest))
 
     def load(self, tensors: Mapping[str, np.ndarray]) -> None:

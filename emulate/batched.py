@@ -5,7 +5,8 @@ It does the same work as train.train_client on every client, with the same batch
 the clients whose current batch has the same size form one vmapped group (usually all of them;
 clients with fewer samples drop out of the last steps of an epoch, and last batches are smaller).
 SGD (with optional momentum) is written out as torch.optim.SGD computes it. BatchNorm running
-statistics are stacked buffers too, updated in place per client inside vmap.
+statistics are stacked buffers too, updated in place per client inside vmap (ORT's way, as in
+train.train_client).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from fedper.algorithms import Phase
-from fedper.emulate.train import epoch_batches, prepare_phase
+from fedper.emulate.train import BatchKey, ort_batchnorm, phase_batches, prepare_phase
 from fedper.manifest import Manifest
 
 
@@ -35,9 +36,10 @@ def train_clients_batched(
     batch_size: int,
     lr: float,
     momentum: float,
-    generators: Sequence[torch.Generator],
+    generators: Sequence[BatchKey],
 ) -> None:
-    """Train every client's slice of `stacked` ({name: [clients, ...]}, all manifest tensors) in place."""
+    """Train every client's slice of `stacked` ({name: [clients, ...]}, all manifest tensors) in place;
+    `generators` are the clients' batch keys (train.client_generator)."""
     n_clients = len(train_idx)
     # BatchNorm's num_batches_tracked counters (not manifest tensors) are mutated in the forward, so
     # vmap needs them batched too; they are dropped at the end.
@@ -45,20 +47,22 @@ def train_clients_batched(
     stacked = stacked | counters
 
     batched_grad = vmap(grad(_loss, argnums=1), in_dims=(None, 0, 0, 0, 0))
-    for phase in phases:
-        names = prepare_phase(model, manifest, phase.trained)
-        velocity = {n: torch.zeros_like(stacked[n]) for n in names} if momentum else {}
-        for _ in range(phase.epochs or local_epochs):
-            batches = [epoch_batches(len(idx), batch_size, g) for idx, g in zip(train_idx, generators, strict=True)]
-            for step in range(max(len(b) for b in batches)):
-                groups: dict[int, list[int]] = {}
-                for j, client_batches in enumerate(batches):
-                    if step < len(client_batches):
-                        groups.setdefault(len(client_batches[step]), []).append(j)
-                for members in groups.values():
-                    sample = torch.stack([train_idx[j][batches[j][step].to(x.device)] for j in members])
-                    _step(batched_grad, model, stacked, velocity, names, members, n_clients,
-                          x[sample], y[sample], lr, momentum)
+    with ort_batchnorm(model):
+        for phase_index, phase in enumerate(phases):
+            names = prepare_phase(model, manifest, phase.trained)
+            velocity = {n: torch.zeros_like(stacked[n]) for n in names} if momentum else {}
+            for epoch in range(phase.epochs or local_epochs):
+                batches = [phase_batches(len(idx), batch_size, key, phase_index, epoch)
+                           for idx, key in zip(train_idx, generators, strict=True)]
+                for step in range(max(len(b) for b in batches)):
+                    groups: dict[int, list[int]] = {}
+                    for j, client_batches in enumerate(batches):
+                        if step < len(client_batches):
+                            groups.setdefault(len(client_batches[step]), []).append(j)
+                    for members in groups.values():
+                        sample = torch.stack([train_idx[j][batches[j][step].to(x.device)] for j in members])
+                        _step(batched_grad, model, stacked, velocity, names, members, n_clients,
+                              x[sample], y[sample], lr, momentum)
     model.requires_grad_(True)
 
 

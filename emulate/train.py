@@ -1,41 +1,58 @@
 """Local training of one client, and evaluation: plain PyTorch on one working model.
 
-A phase trains the trainable tensors of one role ("head", "base") or of both ("all"). Tensors of
-the other role are frozen by requires_grad, and their BatchNorm layers run in eval mode, so a
-frozen layer stays exactly as it was, running statistics included (FedBABU's fixed head, FedRep's
-base during its head epochs). Batch order comes from a generator seeded by (seed, round, client),
-so both engines, and a resumed run, draw the very same batches.
+A phase trains the trainable tensors of one role ("head", "base") or of both ("all"); the
+others are frozen by requires_grad. Every BatchNorm layer runs in train mode during local
+training, frozen or not, as the exported ORT graphs do on the devices (ORT_NOTES "Freezing": a
+head-only graph still moves the base's running statistics), so frozen weights stay put while
+their running statistics follow the local data, with ORT's biased running_var
+(fedper.batches.ort_running_var). Batches come from the kernel's order
+(fedper.batches) keyed (client_seed, round, phase_index, epoch), exactly as an agent draws them,
+so both engines, a resumed run and a fleet of agents see the very same batches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fedper.algorithms import Phase, Trained
+from fedper.batches import client_seed, epoch_batches, ort_running_var
 from fedper.manifest import Manifest
 
 EVAL_CHUNK = 1000  # test samples per forward pass at evaluation
-PURPOSE_TRAIN, PURPOSE_FINETUNE = 0, 1
+# The phase index a purpose's first phase draws its batches with: training phases count from 0,
+# FedBABU's evaluation fine-tune from 1000, far from any algorithm's phases, so its draws differ.
+PURPOSE_TRAIN, PURPOSE_FINETUNE = 0, 1000
+BatchKey = tuple[int, int, int]  # (client_seed, round, first phase index)
 
 
-def client_generator(seed: int, round_: int, client: int, purpose: int) -> torch.Generator:
-    """An independent stream per (run seed, round, client, purpose): the round index is the RNG state."""
-    state = np.random.SeedSequence([seed, round_, client, purpose]).generate_state(1, dtype=np.uint64)[0]
-    return torch.Generator().manual_seed(int(state))
+def client_generator(seed: int, round_: int, client: int, purpose: int) -> BatchKey:
+    """Client `client`'s batch key in the round after `round_` completed rounds. Rounds count from
+    1, as the coordinator numbers them, so the emulator's round k draws what an agent started with
+    --seed client_seed(seed, client) draws in round k."""
+    return client_seed(seed, client), round_ + 1, purpose
 
 
-def epoch_batches(n: int, batch_size: int, generator: torch.Generator) -> list[torch.Tensor]:
-    """A shuffled epoch of positions 0..n-1 in batches; a lone last sample joins the batch before it,
-    because BatchNorm in train mode needs more than one sample."""
-    batches = list(torch.randperm(n, generator=generator).split(batch_size))
-    if len(batches) > 1 and len(batches[-1]) == 1:
-        batches[-2:] = [torch.cat(batches[-2:])]
-    return batches
+def phase_batches(n: int, batch_size: int, key: BatchKey, phase_index: int, epoch: int) -> list[torch.Tensor]:
+    """One epoch's batches (positions 0..n-1) of the `phase_index`-th phase, from the kernel's order."""
+    seed, round_, first_phase = key
+    return [torch.from_numpy(b) for b in epoch_batches(n, batch_size, (seed, round_, first_phase + phase_index, epoch))]
+
+
+@contextmanager
+def ort_batchnorm(model: nn.Module) -> Iterator[None]:
+    """While training, every BatchNorm layer updates its running statistics as the ORT graphs do."""
+    handles = [m.register_forward_pre_hook(ort_running_var) for m in model.modules()
+               if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def trained_names(manifest: Manifest, trained: Trained) -> list[str]:
@@ -43,14 +60,12 @@ def trained_names(manifest: Manifest, trained: Trained) -> list[str]:
 
 
 def prepare_phase(model: nn.Module, manifest: Manifest, trained: Trained) -> list[str]:
-    """Train mode, requires_grad on the phase's parameters only, frozen BatchNorm layers in eval mode."""
+    """Train mode everywhere (BatchNorm of frozen layers included, as in the ORT graphs), and
+    requires_grad on the phase's parameters only; returns their names in model order."""
     names = set(trained_names(manifest, trained))
     model.train()
     for name, param in model.named_parameters():
         param.requires_grad_(name in names)
-    for module_name, module in model.named_modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and f"{module_name}.weight" not in names:
-            module.eval()
     return [name for name, _ in model.named_parameters() if name in names]
 
 
@@ -75,20 +90,22 @@ def train_client(
     batch_size: int,
     lr: float,
     momentum: float,
-    generator: torch.Generator,
+    generator: BatchKey,
 ) -> None:
-    """Run the algorithm's phases on one client's training samples, in place on `model`."""
+    """Run the algorithm's phases on one client's training samples, in place on `model`;
+    `generator` is the client's batch key (client_generator)."""
     params = dict(model.named_parameters())
-    for phase in phases:
-        names = prepare_phase(model, manifest, phase.trained)
-        optimizer = torch.optim.SGD([params[n] for n in names], lr=lr, momentum=momentum)
-        for _ in range(phase.epochs or local_epochs):
-            for batch in epoch_batches(len(train_idx), batch_size, generator):
-                idx = train_idx[batch.to(train_idx.device)]
-                loss = F.cross_entropy(model(x[idx]), y[idx])
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
+    with ort_batchnorm(model):
+        for phase_index, phase in enumerate(phases):
+            names = prepare_phase(model, manifest, phase.trained)
+            optimizer = torch.optim.SGD([params[n] for n in names], lr=lr, momentum=momentum)
+            for epoch in range(phase.epochs or local_epochs):
+                for batch in phase_batches(len(train_idx), batch_size, generator, phase_index, epoch):
+                    idx = train_idx[batch.to(train_idx.device)]
+                    loss = F.cross_entropy(model(x[idx]), y[idx])
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    optimizer.step()
     model.requires_grad_(True)
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from fedper.batches import epoch_batches
 from fedper.data import DataError, load_digits, to_float_nchw
 from fedper.edge.agent import Agent, AgentConfig, load_local_data
 from fedper.edge.backend import batch_order, check_artifacts, open_backend
@@ -58,14 +59,14 @@ def write_image_folder(root: Path, x: np.ndarray, y: np.ndarray, names=CLASSES) 
     return root
 
 
-def test_batch_order_is_seeded_and_drops_only_a_ragged_tail() -> None:
+def test_batch_order_is_the_kernels_keyed_by_seed_and_epoch() -> None:
     batches = batch_order(10, 4, epoch=0, seed=(1, 2))
-    assert [len(b) for b in batches] == [4, 4]
-    flat = np.concatenate(batches)
-    assert len(set(flat.tolist())) == 8 and flat.max() < 10
-    assert all(np.array_equal(a, b) for a, b in zip(batches, batch_order(10, 4, 0, (1, 2)), strict=True))
-    assert not np.array_equal(flat, np.concatenate(batch_order(10, 4, 1, (1, 2))))  # another epoch
-    assert [len(b) for b in batch_order(3, 4, 0, 0)] == [3]  # fewer samples than a batch: one batch
+    assert [len(b) for b in batches] == [4, 4, 2]  # no sample dropped
+    assert sorted(np.concatenate(batches).tolist()) == list(range(10))
+    assert all(np.array_equal(a, b) for a, b in zip(batches, epoch_batches(10, 4, (1, 2, 0)), strict=True))
+    assert not np.array_equal(np.concatenate(batches), np.concatenate(batch_order(10, 4, 1, (1, 2))))
+    assert [len(b) for b in batch_order(9, 4, 0, 0)] == [4, 5]  # a lone last sample joins the batch before
+    assert [len(b) for b in batch_order(3, 4, 0, 0)] == [3]
 
 
 def relative_gap(a: np.ndarray, b: np.ndarray) -> float:
@@ -81,7 +82,11 @@ def test_ort_and_torch_backends_make_the_same_update(backends, digits) -> None:
     backward pass amplifies relative round-off about 1.5x per layer at initialization; onnxruntime's
     BatchNorm gradient kernel rounds differently from PyTorch's, so the whole update differs by ~2% (norm-wise)
     (two PyTorch runs with other thread counts agree to 4e-6). That gap is asserted, measured, and
-    reported; it is a property of the network and float32, not of the agent."""
+    reported; it is a property of the network and float32, not of the agent: against the same
+    step in float64 (MobileNet-v1 x0.25, kp 1, lr 0.01, batch 32), PyTorch float32 is itself
+    1.1e-2 of the update off on real CIFAR-10 images and 3.9e-3 on digits, ORT 1.1e-2 and 2.4e-3,
+    while ORT and PyTorch differ by 5.2e-4 and 1.9e-3. Natural images thus do not bring a
+    whole-network step to 1e-4 either; see test_agent_fleet for what it means after a few rounds."""
     manifest, ort, torch_backend = backends
     names = manifest.names()
     x = to_float_nchw(digits[0][:32], manifest.model.mean, manifest.model.std)

@@ -102,7 +102,7 @@ def test_fedbabu_keeps_the_head_at_its_shared_initialization():
     fleet = Fleet(FleetConfig(algorithm="fedbabu", kp=1, **TINY), data)
     start = fleet.init()
     state, metrics = fleet.run_round(start)
-    for j in range(2):
+    for j in range(2):  # at K_P=1 the head is the classifier alone: parameters, no BatchNorm statistics
         for n in fleet.local_names:
             assert torch.equal(state.local[j][n], start.local[0][n]), n
     assert any(not torch.equal(state.shared[n], start.shared[n]) for n in fleet.shared_names)
@@ -130,7 +130,9 @@ def test_clients_are_evaluated_on_the_new_aggregate_plus_their_own_head(algorith
 
 @pytest.mark.parametrize("algorithm", ["fedper", "fedrep"])
 def test_vmap_engine_matches_the_sequential_one(algorithm):
-    """In float64: a randomly initialized deep net amplifies float32 rounding to ~1e-3 in either engine."""
+    """In float64: a randomly initialized deep net amplifies float32 rounding to ~1e-3 in either engine.
+    Even float64 rounding grows to ~6e-9 after two FedRep rounds (frozen BatchNorm layers normalize
+    with batch statistics too, as on the devices), hence atol 1e-8; a wrong batch or step is >1e-3."""
     data = synthetic([17, 9, 24])  # unequal sizes: groups of clients change within an epoch
     data = dataclasses.replace(data, x=data.x.double())
     config = FleetConfig(algorithm=algorithm, kp=2, momentum=0.9, **TINY)
@@ -142,11 +144,11 @@ def test_vmap_engine_matches_the_sequential_one(algorithm):
         fleet.initial = {n: t.double() for n, t in fleet.initial.items()}
     (a, ma), (b, mb) = run_rounds(sequential, 2), run_rounds(batched, 2)
     for n in a.shared:
-        assert torch.allclose(a.shared[n], b.shared[n], atol=1e-9), n
+        assert torch.allclose(a.shared[n], b.shared[n], atol=1e-8), n
     for j in range(3):
         for n in a.local[j]:
-            assert torch.allclose(a.local[j][n], b.local[j][n], atol=1e-9), n
-    assert np.allclose(ma[-1]["loss"], mb[-1]["loss"], atol=1e-9)
+            assert torch.allclose(a.local[j][n], b.local[j][n], atol=1e-8), n
+    assert np.allclose(ma[-1]["loss"], mb[-1]["loss"], atol=1e-8)
     assert not torch.equal(a.shared["stem.0.weight"], sequential.initial["stem.0.weight"])
 
 
