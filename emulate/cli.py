@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -46,17 +47,25 @@ def run(
     out: Path = typer.Option(Path("runs/emulate"), help="Run directory: config.json, metrics.jsonl, state.pt"),
     resume: bool = typer.Option(False, help="Continue the run in --out from its state.pt"),
     progress: bool = typer.Option(True, help="Show a progress bar"),
+    world_size: int = typer.Option(1, help="Spread the clients over this many local processes (gloo on CPU, "
+                                           "NCCL on GPUs); under torchrun leave it at 1"),
 ) -> None:
-    """Run one experiment and write DIR/config.json, metrics.jsonl, summary.json and state.pt."""
+    """Run one experiment and write DIR/config.json, metrics.jsonl, summary.json and state.pt.
+
+    Under torchrun (WORLD_SIZE > 1) each process trains its share of the clients and rank 0 writes."""
     from fedper.algorithms import get_algorithm
     from fedper.data import DataError
     from fedper.emulate.data import DataConfig
-    from fedper.emulate.experiment import RunConfig, RunError, run_experiment
+    from fedper.emulate.experiment import RunConfig, RunError, run_experiment, run_launched, run_spawned
     from fedper.emulate.fleet import FleetConfig
 
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    rank = int(os.environ.get("RANK", "0")) if launched else 0
     try:
         if not 0 < scale <= 1:
             raise ValueError(f"--scale must lie in (0, 1], got {scale}")
+        if world_size < 1 or (launched and world_size > 1):
+            raise ValueError("--world-size must be >= 1, and 1 under torchrun (which starts the processes itself)")
         if kp is None:
             kp = 0 if get_algorithm(algorithm).requires_kp0 else 2
         config = RunConfig(
@@ -67,11 +76,21 @@ def run(
             rounds=max(1, round(rounds * scale)),
             device=device,
         )
-        summary = run_experiment(config, out, resume=resume, show_progress=progress)
+        options = {"resume": resume, "show_progress": progress}
+        if launched:
+            summary = run_launched(config, out, **options)
+        elif world_size > 1:
+            summary = run_spawned(world_size, config, out, **options)
+        else:
+            summary = run_experiment(config, out, **options)
     except KeyboardInterrupt:
         _fail(f"interrupted; the last finished round is saved in {out}, continue with --resume", 130)
     except (ValueError, DataError, RunError, OSError) as e:
+        if rank:  # every rank meets the same error; rank 0 reports it
+            raise typer.Exit(2) from None
         _fail(str(e))
+    if rank:
+        return
     typer.echo(
         f"{summary['algorithm']} K_P={summary['kp']}: mean accuracy {summary['final_mean_accuracy']:.4f} "
         f"(std {summary['final_std_accuracy']:.4f}) after {summary['rounds']} rounds, {summary['wall_s']:.1f} s; "

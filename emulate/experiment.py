@@ -1,17 +1,25 @@
 """A run on disk: DIR/config.json, DIR/metrics.jsonl (one line per round), DIR/summary.json and
 DIR/state.pt (rewritten atomically after every round), so a killed run resumes from its last round
-and ends exactly where an uninterrupted one would."""
+and ends exactly where an uninterrupted one would.
+
+Under torch.distributed (torchrun, or `run_spawned`) each rank trains its share of the clients;
+rank 0 alone reads and writes the directory, and state.pt holds every client's local tensors."""
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
 from fedper.algorithms import Algorithm
+from fedper.emulate import distributed
 from fedper.emulate.data import DataConfig, load_fleet_data
-from fedper.emulate.fleet import Fleet, FleetConfig, load_state, resolve_device, save_state
+from fedper.emulate.fleet import Fleet, FleetConfig, FleetState, load_state, resolve_device, save_state
 
 CONFIG, METRICS, SUMMARY, STATE = "config.json", "metrics.jsonl", "summary.json", "state.pt"
 
@@ -55,6 +63,41 @@ def run_experiment(
     """Run (or resume) `config` in `out`; returns the summary. On resume, the rounds of `config`
     may differ from the saved ones (to extend a run); everything else comes from DIR/config.json."""
     out = Path(out)
+    config, saved, history = distributed.from_rank0(lambda: _prepare(config, out, resume))
+    device = distributed.local_device(resolve_device(config.device))
+    data = load_fleet_data(config.data, device)
+    if distributed.world_size() > len(data.clients):
+        raise RunError(f"{distributed.world_size()} processes for {len(data.clients)} clients: at most one per client")
+    members = distributed.share(len(data.clients), distributed.rank(), distributed.world_size())
+    fleet = Fleet(config.fleet, data, algorithm, members=members)
+    state = fleet.init() if saved is None else _to_device(saved, device)
+    writer = distributed.rank() == 0
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / CONFIG).write_text(config.to_json())
+        with (out / METRICS).open("w") as f:
+            f.writelines(json.dumps(m) + "\n" for m in history)
+    with _progress(show_progress and writer) as progress:
+        task = progress.add_task(f"{config.fleet.algorithm} ({fleet.engine})", total=config.rounds,
+                                 completed=state.round, acc=history[-1]["mean_accuracy"] if history else 0.0)
+        while state.round < config.rounds:
+            state, metrics = fleet.run_round(state)
+            local = distributed.gather_local(state.local, members)
+            if writer:
+                with (out / METRICS).open("a") as f:
+                    f.write(json.dumps(metrics) + "\n")
+                save_state(FleetState(state.round, state.shared, local, state.seed), out / STATE)
+            history.append(metrics)
+            progress.update(task, advance=1, acc=metrics["mean_accuracy"])
+    summary = _summary(config, fleet, history)
+    if writer:
+        (out / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _prepare(config: RunConfig, out: Path, resume: bool) -> tuple[RunConfig, FleetState | None, list[dict]]:
+    """Check `out`: the run's config, the saved state (None for a new run) and the metrics of its
+    saved rounds (a line written after the last saved state is dropped)."""
     state_path = out / STATE
     if resume:
         if not state_path.exists():
@@ -63,27 +106,59 @@ def run_experiment(
         config = RunConfig(saved.data, saved.fleet, config.rounds, saved.device)
     elif state_path.exists():
         raise RunError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
-    device = resolve_device(config.device)
-    fleet = Fleet(config.fleet, load_fleet_data(config.data, device), algorithm)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / CONFIG).write_text(config.to_json())
-    state = load_state(state_path, device) if resume else fleet.init()
-    history = _read_metrics(out / METRICS, state.round)
-    with (out / METRICS).open("w") as f:
-        f.writelines(json.dumps(m) + "\n" for m in history)
-    with _progress(show_progress) as progress:
-        task = progress.add_task(f"{config.fleet.algorithm} ({fleet.engine})", total=config.rounds,
-                                 completed=state.round, acc=history[-1]["mean_accuracy"] if history else 0.0)
-        while state.round < config.rounds:
-            state, metrics = fleet.run_round(state)
-            with (out / METRICS).open("a") as f:
-                f.write(json.dumps(metrics) + "\n")
-            save_state(state, state_path)
-            history.append(metrics)
-            progress.update(task, advance=1, acc=metrics["mean_accuracy"])
-    summary = _summary(config, fleet, history)
-    (out / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+    state = load_state(state_path) if resume else None
+    return config, state, _read_metrics(out / METRICS, state.round if state else 0)
+
+
+def _to_device(state: FleetState, device: torch.device) -> FleetState:
+    return FleetState(state.round, {n: t.to(device) for n, t in state.shared.items()},
+                      [{n: t.to(device) for n, t in own.items()} for own in state.local], state.seed)
+
+
+def run_launched(config: RunConfig, out: str | Path, **kwargs) -> dict:
+    """run_experiment as one of the processes torchrun started (it sets RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR and MASTER_PORT)."""
+    env = os.environ
+    return _in_group(int(env["RANK"]), int(env["WORLD_SIZE"]), "env://", config, out, kwargs,
+                     local_rank=int(env.get("LOCAL_RANK", "0")))
+
+
+def run_spawned(world_size: int, config: RunConfig, out: str | Path, **kwargs) -> dict:
+    """run_experiment in `world_size` processes on this host (torch.multiprocessing), no torchrun
+    needed; returns rank 0's summary and raises rank 0's RunError/DataError/OSError as a RunError."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        mp.spawn(_spawned, args=(world_size, distributed.free_rendezvous(), config, str(out), kwargs, str(result)),
+                 nprocs=world_size, join=True)
+        body = json.loads(result.read_text())
+    if "error" in body:
+        raise RunError(body["error"])
+    return body["summary"]
+
+
+def _spawned(rank: int, world_size: int, rendezvous: str, config: RunConfig, out: str, kwargs: dict,
+             result: str) -> None:
+    """One spawned process: its bad-input error goes back to the parent as a message, not a traceback."""
+    if resolve_device(config.device).type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # as torchrun: no oversubscription
+    try:
+        body = {"summary": _in_group(rank, world_size, rendezvous, config, out, kwargs)}
+    except (ValueError, OSError) as e:  # RunError and DataError are ValueErrors; the same on every rank
+        body = {"error": str(e)}
+    if rank == 0:
+        Path(result).write_text(json.dumps(body))
+
+
+def _in_group(rank: int, world_size: int, rendezvous: str, config: RunConfig, out: str | Path, kwargs: dict,
+              local_rank: int | None = None) -> dict:
+    distributed.init_process_group(rank, world_size, rendezvous, local_rank=local_rank,
+                                   cuda=resolve_device(config.device).type == "cuda")
+    try:
+        return run_experiment(config, out, **kwargs)
+    finally:
+        distributed.destroy()
 
 
 def _summary(config: RunConfig, fleet: Fleet, history: list[dict]) -> dict:
