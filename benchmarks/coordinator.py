@@ -1,11 +1,12 @@
 """Coordinator cost per update and memory as the fleet grows (MobileNet-v1, width 1.0, FedPer K_P=1).
 
 Fold time is a ratio against a raw numpy `acc += update` over the same float32 bytes, measured in
-the same run: WeightedMean.add (the rule the coordinator runs), a proposed leaner fold (float64
-accumulator fed block by block through a cache-sized scratch), the wire decode
-(chunk checks + reassembly + safetensors + validation), and the engine's whole path per update
-(decode + validate + fold + the per-update checkpoint it writes so a restart loses nothing).
-Memory: tracemalloc peak while folding N emulated updates, as a multiple of one update's size.
+the same run: WeightedMean.add (the rule the coordinator runs: a float64 sum fed block by block),
+a raw float64 `acc += update64` (what any float64 sum must stream through memory: the floor for
+the rule), the wire decode (chunk checks + reassembly + safetensors + validation), and the
+engine's whole path per update (decode + validate + fold + the per-update checkpoint it writes so
+a restart loses nothing). Memory: tracemalloc peak while WeightedMean folds N emulated updates,
+as a multiple of one update's size, and the same for the engine's whole path.
 
     python benchmarks/coordinator.py [--quick] [--out runs/bench]
 """
@@ -50,41 +51,20 @@ def mobilenet() -> tuple[Manifest, dict[str, np.ndarray]]:
 def nbytes(tensors: Mapping[str, np.ndarray]) -> int:
     return sum(v.nbytes for v in tensors.values())
 
-class LeanMean:
-    """The proposed fold: a float64 accumulator, fed n * x block by block through a cache-sized scratch.
-
-    WeightedMean.add makes two full-size float64 temporaries per tensor (astype, then * n) and
-    streams them through memory; here each 32K-element block is cast, scaled and added while it is
-    still in cache, so the memory traffic is close to the raw add's.
-    """
-
-    BLOCK = 1 << 15
-
-    def __init__(self, like: Mapping[str, np.ndarray]) -> None:
-        self._sum = {n: np.zeros(v.size, np.float64) for n, v in like.items()}
-        self._scratch = np.empty(self.BLOCK, np.float64)
-        self.total_weight = 0.0
-
-    def add(self, tensors: Mapping[str, np.ndarray], n_samples: float) -> None:
-        for name, acc in self._sum.items():
-            flat = tensors[name].reshape(-1)
-            for start in range(0, flat.size, self.BLOCK):
-                block = flat[start : start + self.BLOCK]
-                scratch = self._scratch[: block.size]
-                np.multiply(block, n_samples, out=scratch)
-                acc[start : start + block.size] += scratch
-        self.total_weight += n_samples
-
-
 def fold_times(manifest: Manifest, base: dict[str, np.ndarray], repeats: int) -> dict[str, float]:
     """Median seconds per update of each path (the first add, which allocates, is left out)."""
     update = {n: v + np.float32(1e-3) for n, v in base.items()}
     raw = {n: v.copy() for n, v in base.items()}
+    raw64, update64 = ({n: v.astype(np.float64) for n, v in t.items()} for t in (base, update))
     frames = update_frames(manifest, update, UpdateMeta(1, 10, manifest.base_digest), "u")
 
     def raw_add() -> None:
         for name, acc in raw.items():
             acc += update[name]
+
+    def raw_add64() -> None:
+        for name, acc in raw64.items():
+            acc += update64[name]
 
     def decode() -> None:
         reassembler = Reassembler(max_shared_blob_size(manifest))
@@ -92,26 +72,31 @@ def fold_times(manifest: Manifest, base: dict[str, np.ndarray], repeats: int) ->
             blob = reassembler.add("d", decode_chunk(frame))
         decode_tensors(manifest, blob.data)
 
-    mean, lean = WeightedMean(), LeanMean(base)
+    mean = WeightedMean()
     mean.add(update, 10)
     paths = {"raw numpy add (float32)": raw_add, "WeightedMean.add": lambda: mean.add(update, 10),
-             "proposed lean fold": lambda: lean.add(update, 10), "wire decode + validate": decode}
+             "raw numpy add (float64, the floor of a float64 sum)": raw_add64, "wire decode + validate": decode}
     runs: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(repeats):  # interleaved: background load hits every path alike
         for name, fn in paths.items():
             runs[name].append(timed(fn))
     result = {name: median(t) for name, t in runs.items()}
-    result["engine: decode + validate + fold + checkpoint"] = engine_seconds(manifest, base, update, frames,
-                                                                            max(3, repeats // 2))
+    result["engine: decode + validate + fold + checkpoint"] = median(feed_engine(manifest, base, frames,
+                                                                                 max(3, repeats // 2))[0])
     return result
 
-def engine_seconds(manifest: Manifest, base: dict[str, np.ndarray], update: dict[str, np.ndarray],
-                   frames: list[bytes], devices: int) -> float:
-    """Median seconds from an update's first chunk to its fold being checkpointed, one device at a time."""
+def feed_engine(manifest: Manifest, base: dict[str, np.ndarray], frames: list[bytes], devices: int,
+                trace_memory: bool = False) -> tuple[list[float], int]:
+    """Feed one update per device, one device at a time, to a live engine (no broker): seconds from
+    each update's first chunk to its fold being checkpointed, and the tracemalloc peak (bytes) of
+    the whole path when `trace_memory`."""
     with tempfile.TemporaryDirectory() as tmp:
         coordinator = Coordinator(manifest, base, TOPICS, Config(rounds=1, min_clients=devices + 1, round_timeout=1e6),
                                   Store(tmp))
         coordinator.start(0.0)
+        if trace_memory:
+            tracemalloc.start()
+            tracemalloc.reset_peak()
         times = []
         for i in range(devices):
             device = f"d{i}"
@@ -120,8 +105,11 @@ def engine_seconds(manifest: Manifest, base: dict[str, np.ndarray], update: dict
             for frame in frames:
                 coordinator.handle(TOPICS.update(device), frame, 0.0)
             times.append(time.perf_counter() - start)
+        peak = tracemalloc.get_traced_memory()[1] if trace_memory else 0
+        tracemalloc.stop()
         assert coordinator.counters["accepted"] == devices, coordinator.counters
-    return median(times)
+    return times, peak
+
 
 def peak_memory(base: dict[str, np.ndarray], updates: int) -> int:
     """tracemalloc peak (bytes) while WeightedMean folds `updates` emulated updates and takes the result."""
@@ -135,6 +123,7 @@ def peak_memory(base: dict[str, np.ndarray], updates: int) -> int:
     tracemalloc.stop()
     return peak
 
+
 def run(out: Path, quick: bool = False) -> str:
     manifest, base = mobilenet()
     size = nbytes(base)
@@ -142,17 +131,22 @@ def run(out: Path, quick: bool = False) -> str:
     raw = times["raw numpy add (float32)"]
     counts = (10, 100) if quick else (10, 100, 1000)
     memory = {n: peak_memory(base, n) for n in counts}
-    chunks = len(update_frames(manifest, base, UpdateMeta(1, 10, manifest.base_digest), "u"))
+    frames = update_frames(manifest, base, UpdateMeta(1, 10, manifest.base_digest), "u")
+    chunks = len(frames)
+    engine_memory = {n: feed_engine(manifest, base, frames, n, trace_memory=True)[1] for n in counts[:2]}
     write_json(out, "coordinator", {
         "model": "mobilenet_v1 w1.0 K_P=1", "update_bytes": size, "chunks_per_update": chunks,
         "chunk_size": DEFAULT_CHUNK_SIZE, "seconds_per_update": times, "x_raw": {k: v / raw for k, v in times.items()},
         "peak_bytes": memory, "peak_over_update": {n: m / size for n, m in memory.items()},
+        "engine_peak_bytes": engine_memory, "engine_peak_over_update": {n: m / size for n, m in engine_memory.items()},
     })
     text = f"one MobileNet-v1 update: {size / 1e6:.1f} MB in {chunks} chunks\n\n"
     text += table(["path (per update)", "ms", "x raw numpy add"],
                   [[name, t * 1e3, t / raw] for name, t in times.items()])
-    text += "\n\n" + table(["updates folded", "peak MB (tracemalloc)", "x one update's size"],
+    text += "\n\n" + table(["updates folded", "WeightedMean peak MB (tracemalloc)", "x one update's size"],
                            [[n, m / 1e6, m / size] for n, m in memory.items()])
+    text += "\n\n" + table(["updates through the engine", "engine peak MB (tracemalloc)", "x one update's size"],
+                           [[n, m / 1e6, m / size] for n, m in engine_memory.items()])
     return text
 
 def main() -> None:

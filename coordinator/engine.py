@@ -252,7 +252,7 @@ class Coordinator:
         self._aggregator.add(self._prepared(tensors), n_samples)
         self.round.folded[device] = {"n_samples": n_samples, "metrics": metrics}
         if isinstance(self._aggregator, WeightedMean):
-            partial = self._aggregator.result()  # float64 in, float64 out: exact to 1e-16 on resume
+            partial = self._aggregator.result(np.float64)  # exact to 1e-16 on resume
             self._files["partial"] = self.store.write_tensors(f"partial-r{k}-{len(self.round.folded)}.safetensors",
                                                               partial)
         else:
@@ -264,10 +264,10 @@ class Coordinator:
                  metrics.get("accuracy", "n/a"), len(self.round.folded), len(self.registered))
 
     def _prepared(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Clipped (with --clip-norm) against the round's base, in float64 so a resumed sum is exact."""
+        """Clipped (with --clip-norm) against the round's base."""
         if self.config.clip_norm is not None:
             tensors = clip_update(tensors, self.model, self.config.clip_norm)
-        return {n: v.astype(np.float64) for n, v in tensors.items()}
+        return tensors
 
     def _reject(self, device: str | None, code: str, message: str, answer: bool = True) -> list[Outgoing]:
         self.counters[code] += 1
