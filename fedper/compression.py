@@ -3,7 +3,8 @@
 Codecs (the name a device announces, the `fedper.codec` entry of the blob's safetensors metadata):
 
 - `fp32`: identity; the blob is exactly what `safetensors` writes for the float32 tensors.
-- `fp16`: every float32 tensor cast to float16 (half the bytes; values beyond +-65504 are refused).
+- `fp16`: every float32 tensor cast to float16 (half the bytes). A tensor with values beyond
+  float16's +-65504 (a BatchNorm running_var can grow that large) stays float32 in the blob.
 - `int8`: 8-bit per-tensor affine quantization: q = round((x - lo) / scale), stored as uint8, with
   scale = (hi - lo) / 255 over the tensor's range [lo, hi] (a quarter of the bytes). Decoding
   gives lo + q * scale, within scale / 2 of x. The parameters travel in the safetensors metadata,
@@ -32,7 +33,8 @@ CODECS = ("fp32", "fp16", "int8")
 CODEC_KEY = "fedper.codec"
 QUANT_KEY = "fedper.quant"
 FP16_MAX = float(np.finfo(np.float16).max)
-_STORED = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "int8": np.dtype(np.uint8)}
+_STORED = {"fp32": {np.dtype(np.float32)}, "fp16": {np.dtype(np.float16), np.dtype(np.float32)},
+           "int8": {np.dtype(np.uint8)}}
 
 
 class CodecError(ValueError):
@@ -62,9 +64,8 @@ def encode(tensors: Mapping[str, np.ndarray], codec: str) -> tuple[dict[str, np.
         if codec == "fp32":
             arrays[name] = x
         elif codec == "fp16":
-            if x.size and float(np.abs(x).max()) > FP16_MAX:
-                raise CodecError(f"{name} has values beyond the float16 range (+-{FP16_MAX:g})")
-            arrays[name] = x.astype(np.float16)
+            fits = not x.size or float(np.abs(x).max()) <= FP16_MAX
+            arrays[name] = x.astype(np.float16) if fits else x
         else:
             lo, hi = (float(x.min()), float(x.max())) if x.size else (0.0, 0.0)
             scale = (hi - lo) / 255.0
@@ -88,7 +89,7 @@ def decode(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> dic
         if _passes_through(x) and name not in quant:
             out[name] = x
             continue
-        if x.dtype != stored or (codec == "int8") != (name in quant):
+        if x.dtype not in stored or (codec == "int8") != (name in quant):
             raise CodecError(f"{name} is {x.dtype}: not what codec {codec} writes, or its parameters are missing")
         if codec == "int8":
             lo, scale = quant[name]
