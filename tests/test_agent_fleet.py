@@ -7,7 +7,6 @@ that `fedper-emulate` (PyTorch) computes from the same data, initial weights, se
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 import sys
@@ -173,7 +172,7 @@ def test_agents_ride_out_a_broker_restart(tmp_path: Path, artifacts: Path, mosqu
 
 
 PARITY_SEED, PARITY_LR, PARITY_BATCH = 5, 0.01, 32  # 32 images per device: one SGD step per round
-BASE_BOUND = 1e-2  # measured 1.2e-3 .. 5.1e-3 over six run seeds: see the test
+PRETRAIN_STEPS = 200
 
 
 def emulated_fleet(per_class: int, test_per_class: int, *, lr: float, batch_size: int):
@@ -207,22 +206,48 @@ def emulated_fleet(per_class: int, test_per_class: int, *, lr: float, batch_size
     return fleet, arrays
 
 
-def parity_gaps(
-    tmp_path: Path, broker_url: str, *, lr: float, batch_size: int, per_class: int = 16
-) -> dict[str, float]:
+def pretrain(fleet, steps: int) -> None:
+    """Start the fleet from a model trained centrally for `steps` SGD steps (B=64, lr 0.05,
+    momentum 0.9) on CIFAR-10 test images of the four classes, none of which a device holds, as a
+    deployment starts from a pretrained model rather than from random weights."""
+    import torch
+    import torch.nn.functional as F
+    from test_emulate_cifar import decode_subset
+
+    from fedper.data import to_float_nchw
+    from fedper.models import IMAGENET_MEAN, IMAGENET_STD, exported_state
+
+    images, labels = decode_subset("test", 100)
+    keep = labels < len(CLASSES)
+    x = torch.from_numpy(to_float_nchw(images[keep], IMAGENET_MEAN, IMAGENET_STD))
+    y = torch.from_numpy(labels[keep])
+    model = fleet.model
+    model.load_state_dict(fleet.initial, strict=False)  # num_batches_tracked is not in the manifest
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        batch = torch.randperm(len(y), generator=generator)[:64]
+        optimizer.zero_grad()
+        F.cross_entropy(model(x[batch]), y[batch]).backward()
+        optimizer.step()
+    fleet.initial = {n: t.detach().clone() for n, t in exported_state(model).items()}
+
+
+def parity_gaps(tmp_path: Path, broker_url: str, *, lr: float, batch_size: int, pretrain_steps: int,
+                per_class: int = 16) -> dict[str, float]:
     """Run the emulator and two ORT agents (through the broker and the coordinator) from the same
     data, initial weights (exported from the emulator's model), seeds (device j runs with
     --seed client_seed(run_seed, j)) and batch order, and measure how far the final bases differ:
     "base" relative to the whole base (all shared tensors as one vector), "tensor" the largest
-    per-tensor relative gap, "update" the gap of the trainable tensors' updates relative to the
-    emulator's update, "agents_vs_exact" and "emulator_vs_exact" the agents' and the emulator's
-    update against the same emulated run in float64, "moved" the agents' update norm over the
-    emulator's."""
+    per-tensor relative gap, "update" the gap of the trainable tensors' change from the start
+    relative to the emulator's change, "moved" the agents' change over the emulator's, and
+    "trained" the emulator's change relative to the base."""
     from fedper.batches import client_seed
-    from fedper.emulate.fleet import Fleet
     from fedper.export.exporter import export_artifacts
 
     fleet, arrays = emulated_fleet(per_class, test_per_class=2, lr=lr, batch_size=batch_size)
+    pretrain(fleet, pretrain_steps)
     artifacts = tmp_path / "export"
     export_artifacts(artifacts, model="mobilenet_v1", kp=1, num_classes=4, input_size=32, width=0.25,
                      algorithm="fedper", classes=CLASSES, state_dict=fleet.initial)
@@ -239,18 +264,10 @@ def parity_gaps(
               for j, path in enumerate(paths)]
     run_fleet(coordinator, agents, logs)
 
-    def emulate(fleet) -> dict[str, np.ndarray]:
-        state = fleet.init()
-        for _ in range(ROUNDS):
-            state, _ = fleet.run_round(state)
-        return {n: t.numpy() for n, t in state.shared.items()}
-
-    emulated = emulate(fleet)
-    # the same run in float64, as the exact answer both float32 runs approximate
-    exact_fleet = Fleet(fleet.config, dataclasses.replace(fleet.data, x=fleet.data.x.double()))
-    exact_fleet.model.double()
-    exact_fleet.initial = {n: t.double() for n, t in fleet.initial.items()}
-    exact = emulate(exact_fleet)
+    state = fleet.init()
+    for _ in range(ROUNDS):
+        state, _ = fleet.run_round(state)
+    emulated = {n: t.numpy() for n, t in state.shared.items()}
     final = load_file(str(coordinator_dir / "final.safetensors"))
     initial = {n: t.numpy() for n, t in fleet.initial.items()}
     assert set(final) == set(emulated)
@@ -259,8 +276,8 @@ def parity_gaps(
     def whole(tensors: dict[str, np.ndarray], names) -> np.ndarray:
         return np.concatenate([tensors[n].ravel().astype(np.float64) for n in sorted(names)])
 
-    def update(tensors: dict[str, np.ndarray], names=trainable) -> np.ndarray:
-        return whole(tensors, names) - whole(initial, names)
+    def update(tensors: dict[str, np.ndarray]) -> np.ndarray:
+        return whole(tensors, trainable) - whole(initial, trainable)
 
     def gap(a: np.ndarray, b: np.ndarray) -> float:
         return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
@@ -269,9 +286,8 @@ def parity_gaps(
         "base": gap(whole(final, final), whole(emulated, final)),
         "tensor": max(gap(final[n], emulated[n]) for n in final),
         "update": gap(update(final), update(emulated)),
-        "agents_vs_exact": gap(update(final), update(exact)),
-        "emulator_vs_exact": gap(update(emulated), update(exact)),
         "moved": float(np.linalg.norm(update(final)) / np.linalg.norm(update(emulated))),
+        "trained": float(np.linalg.norm(update(emulated)) / np.linalg.norm(whole(emulated, trainable))),
     }
 
 
@@ -279,29 +295,23 @@ def parity_gaps(
                     reason="real CIFAR-10 pack not found at ../shared/data/cifar10-jpeg.npz")
 def test_two_agents_through_the_broker_match_the_emulator(tmp_path: Path, mosquitto) -> None:
     """Two ORT agents through Mosquitto and the coordinator end where `fedper-emulate` (PyTorch)
-    ends from the same CIFAR-10 images, initial weights, seeds and batch order, as closely as
-    float32 allows for this network after two rounds, which is far from 1e-4.
+    ends from the same CIFAR-10 images, initial weights, seeds and batch order: the aggregated
+    base within 1e-4 relative, and what training changed within a few percent.
 
-    Measured (MobileNet-v1 x0.25, 32x32, 4 classes, 32 real images per device, 2 rounds; base =
-    all shared tensors as one vector; update = the trainable part's change from the start):
-    lr 0.01, batch 32 (this test; one step per device and round), run seeds 5, 1, 2, 3, 4, 6:
-    base gap 3.8e-3, 3.7e-3, 1.2e-3, 2.4e-3, 5.1e-3, 2.7e-3; update gap 0.50, 0.68, 0.23, 0.64,
-    0.92, 0.61; per tensor up to 1.6 (zero-initialized BatchNorm biases hold nothing but their
-    update). lr 0.01, batch 16: base 1.1e-2, update 1.1. lr 1e-3: base 5e-5 .. 3.5e-4, update
-    0.09 .. 0.53. lr 1e-4: base 9e-6 .. 1.7e-5, update 0.13 .. 0.22, but there the update is
-    itself ~5e-5 of the base, so "within 1e-4 of the base" would pass without any training.
+    Measured (MobileNet-v1 x0.25, 32x32, 4 classes, 32 real images per device, 2 rounds, lr 0.01,
+    B=32), pretrained 200 steps, run seeds 5, 1, 2, 3, 4, 6: base 1.9e-7, 1.1e-7, 4.9e-8, 1.1e-7,
+    3.4e-7, 2.3e-8; per tensor up to 6.8e-5; update 2.3e-3, 2.5e-4, 1.5e-5, 9.3e-6, 7.5e-3,
+    8.2e-6; the update itself is 1.5e-3 .. 2.1e-3 of the base. Pretrained 50 steps (seeds 5, 1):
+    base 3.9e-7 / 5.7e-8, update 6.7e-3 / 9.5e-6.
 
-    Why: float32, not the agents. The emulator in float32 against the same run in float64 is
-    1.7e-2 of the update off after round 1 (any lr) and 0.45 .. 0.77 after round 2; the agents
-    are 0.29 .. 0.96 off float64 (ratio to the emulator's 0.46 .. 1.25). One step from one state
-    is accurate (ORT vs PyTorch 5e-4 of the update, each ~1e-2 from float64, test_edge), and so is
-    round 2 from one state (0.8% f32 vs f64), but this randomly initialized BatchNorm network is
-    so sensitive to its weights that round 1's round-off (a ~1e-5 relative perturbation of the
-    weights moves round 2's update by ~4%) changes round 2's update by tens of percent.
-    Forward passes and BatchNorm statistics agree to 6e-8 (lr 0), so data, normalization,
-    batches and statistics match. Hence: the whole base within 1e-2, the agents no further from
-    the float64 run than 1.5x the emulator is, and their update as large as the emulator's."""
-    gaps = parity_gaps(tmp_path, mosquitto.url, lr=PARITY_LR, batch_size=PARITY_BATCH)
-    assert gaps["base"] < BASE_BOUND, gaps
-    assert gaps["agents_vs_exact"] < 1.5 * gaps["emulator_vs_exact"], gaps  # as accurate as the emulator
-    assert 0.5 < gaps["moved"] < 2, gaps  # the agents trained as far as the emulator
+    From random weights the two float32 runs part ways (base 1.2e-3 .. 5.1e-3 over six seeds,
+    update 0.23 .. 0.92), and so does each from the same run in float64 (emulator 0.46 .. 0.77 of
+    the update): a freshly initialized BatchNorm network turns round 1's round-off (a
+    ~1e-5 relative change of the weights) into tens of percent of round 2's update. That is
+    float32 on an ill-conditioned start, not a difference between the agents and the emulator:
+    from any one state one step agrees to 5e-4 of the update (test_edge), and forward passes and
+    BatchNorm statistics to 6e-8."""
+    gaps = parity_gaps(tmp_path, mosquitto.url, lr=PARITY_LR, batch_size=PARITY_BATCH, pretrain_steps=PRETRAIN_STEPS)
+    assert gaps["base"] < 1e-4, gaps
+    assert gaps["update"] < 3e-2 and 0.97 < gaps["moved"] < 1.03, gaps  # the training itself agrees
+    assert gaps["trained"] > 100 * gaps["base"], gaps  # the rounds moved the base far more than the gap
