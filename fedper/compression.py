@@ -11,8 +11,11 @@ Codecs (the name a device announces, the `fedper.codec` entry of the blob's safe
   not as extra tensors, so the blob's tensor names stay the manifest's: `fedper.quant` is a JSON
   object {tensor name: [lo, scale]} (numbers as JSON doubles, exact for float32 values).
 
-Tensors that are not float32 pass through unchanged. `decode` always returns float32 for the
-tensors that were float32, and refuses a blob whose dtypes, codec or parameters do not agree.
+Tensors that are not float32 pass through unchanged, and so do the float32 tensors the caller
+names `exact`: the wire keeps BatchNorm running statistics exact, because quantizing a variance
+that spans orders of magnitude (a near-zero one rounds to zero) wrecks the layer it normalizes.
+`decode` always returns float32 for the tensors that were float32 (a float32 tensor in any blob is
+one sent exact), and refuses a blob whose dtypes, codec or parameters do not agree.
 The module knows nothing about manifests or the wire: callers validate names and shapes
 (`fedper.tensors`) before encoding and after decoding.
 """
@@ -22,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import numpy as np
 from safetensors import SafetensorError
@@ -33,8 +36,7 @@ CODECS = ("fp32", "fp16", "int8")
 CODEC_KEY = "fedper.codec"
 QUANT_KEY = "fedper.quant"
 FP16_MAX = float(np.finfo(np.float16).max)
-_STORED = {"fp32": {np.dtype(np.float32)}, "fp16": {np.dtype(np.float16), np.dtype(np.float32)},
-           "int8": {np.dtype(np.uint8)}}
+_STORED = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "int8": np.dtype(np.uint8)}
 
 
 class CodecError(ValueError):
@@ -47,8 +49,11 @@ def check_codec(codec: str) -> str:
     return codec
 
 
-def encode(tensors: Mapping[str, np.ndarray], codec: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """(arrays, safetensors metadata) for `codec`; float32 tensors must be finite."""
+def encode(
+    tensors: Mapping[str, np.ndarray], codec: str, exact: Collection[str] = ()
+) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """(arrays, safetensors metadata) for `codec`, the `exact` tensors left float32; float32
+    tensors must be finite."""
     check_codec(codec)
     arrays: dict[str, np.ndarray] = {}
     quant: dict[str, list[float]] = {}
@@ -61,7 +66,7 @@ def encode(tensors: Mapping[str, np.ndarray], codec: str) -> tuple[dict[str, np.
             raise CodecError(f"{name} is {x.dtype}: a codec takes float32 tensors (integer ones but uint8 pass as-is)")
         if not np.isfinite(x).all():
             raise CodecError(f"{name} holds NaN or Inf")
-        if codec == "fp32":
+        if codec == "fp32" or name in exact:
             arrays[name] = x
         elif codec == "fp16":
             fits = not x.size or float(np.abs(x).max()) <= FP16_MAX
@@ -89,9 +94,11 @@ def decode(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> dic
         if _passes_through(x) and name not in quant:
             out[name] = x
             continue
-        if x.dtype not in stored or (codec == "int8") != (name in quant):
+        if x.dtype == np.float32 and name not in quant:
+            out[name] = x  # sent exact
+        elif x.dtype != stored or (codec == "int8") != (name in quant):
             raise CodecError(f"{name} is {x.dtype}: not what codec {codec} writes, or its parameters are missing")
-        if codec == "int8":
+        elif codec == "int8":
             lo, scale = quant[name]
             with np.errstate(over="ignore"):  # a hostile [lo, scale] overflows: refused just below
                 out[name] = (lo + x.astype(np.float64) * scale).astype(np.float32)
@@ -127,9 +134,9 @@ def _quant_params(metadata: Mapping[str, str]) -> dict[str, tuple[float, float]]
     return params
 
 
-def pack(tensors: Mapping[str, np.ndarray], codec: str) -> bytes:
+def pack(tensors: Mapping[str, np.ndarray], codec: str, exact: Collection[str] = ()) -> bytes:
     """One safetensors blob: the encoded arrays with the codec and its parameters in the metadata."""
-    arrays, metadata = encode(tensors, codec)
+    arrays, metadata = encode(tensors, codec, exact)
     return st_save({name: np.ascontiguousarray(a) for name, a in arrays.items()}, metadata=metadata)
 
 

@@ -402,15 +402,21 @@ def model_frames(manifest: Manifest, tensors: Mapping[str, np.ndarray], blob_id:
 
 def update_frames(manifest: Manifest, tensors: Mapping[str, np.ndarray], meta: UpdateMeta, blob_id: str,
                   chunk_size: int = DEFAULT_CHUNK_SIZE) -> list[bytes]:
-    """Chunk frames of a device's update: the shared tensors only, each chunk carrying `meta`.
-
-    pack_shared runs first in every case: it is what refuses device-local tensors; a compressing
-    codec then re-encodes exactly the tensors it accepted."""
+    """Chunk frames of a device's update (`update_blob`), each chunk carrying `meta`."""
     fields_ = {k: v for k, v in json.loads(meta.encode()).items() if k != "v"}
+    return chunk(update_blob(manifest, tensors, meta.codec), chunk_size, blob_id, fields_)
+
+
+def update_blob(manifest: Manifest, tensors: Mapping[str, np.ndarray], codec: str = "fp32") -> bytes:
+    """A device's update blob: the shared tensors through `codec`, BatchNorm running statistics
+    (not trainable) always exact. pack_shared runs first in every case: it is what refuses
+    device-local tensors; a compressing codec then re-encodes exactly the tensors it accepted."""
     blob = pack_shared(manifest, tensors)
-    if meta.codec != "fp32":
-        blob = compression.pack({t.name: tensors[t.name] for t in manifest.shared_tensors}, meta.codec)
-    return chunk(blob, chunk_size, blob_id, fields_)
+    if codec == "fp32":
+        return blob
+    shared = manifest.shared_tensors
+    return compression.pack({t.name: tensors[t.name] for t in shared}, codec,
+                            exact={t.name for t in shared if not t.trainable})
 
 
 def decode_tensors(manifest: Manifest, blob: bytes, codec: str | None = None) -> dict[str, np.ndarray]:

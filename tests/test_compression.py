@@ -65,6 +65,17 @@ def test_blob_sizes_shrink_and_integers_pass_through():
         np.testing.assert_array_equal(unpack(pack(tensors, codec))[1]["steps"], tensors["steps"])
 
 
+@pytest.mark.parametrize("codec", ["fp16", "int8"])
+def test_exact_tensors_stay_float32(codec):
+    """A variance spanning orders of magnitude would lose its small entries to quantization: the
+    caller keeps such tensors exact, and they come back bit for bit."""
+    tensors = {"running_var": np.array([1e-6, 3e-3, 40.0], np.float32), "w": np.linspace(-1, 1, 9, dtype=np.float32)}
+    codec_back, back = unpack(pack(tensors, codec, exact={"running_var"}))
+    assert codec_back == codec
+    np.testing.assert_array_equal(back["running_var"], tensors["running_var"])
+    assert encode(tensors, codec, exact={"running_var"})[0]["w"].dtype != np.float32
+
+
 def test_fp16_keeps_a_tensor_beyond_its_range_in_float32():
     """A running_var of 1e5 cannot be float16: that tensor travels as float32, the others as float16."""
     tensors = {"running_var": np.array([1e5, 2.0], np.float32), "w": np.array([0.1, -3.0], np.float32)}
