@@ -1,10 +1,11 @@
 """Bytes on the wire per device per round, fp32 and with the opt-in update codecs, and their accuracy cost.
 
 Per device and round: the base model comes down (the shared tensors, fp32) and the update goes
-up (the shared tensors through fedper.compression's codec), both as safetensors blobs cut into
-protocol v1 chunk frames (fedper.wire.chunk, 63 KiB chunks); MQTT's own few bytes per publish
-are not counted. The accuracy cost: the emulator on digits (real images) with every client's
-shared tensors encoded and decoded by the codec before aggregation, same seed for every codec.
+up (the shared tensors through fedper.compression's codec, BatchNorm statistics exact:
+fedper.wire.update_blob), both as safetensors blobs cut into protocol v1 chunk frames
+(fedper.wire.chunk, 63 KiB chunks); MQTT's own few bytes per publish are not counted. The
+accuracy cost: the emulator on digits (real images) with every client's shared tensors encoded
+and decoded as the wire does before aggregation, same seeds for every codec.
 
     python benchmarks/wire.py [--quick] [--out runs/bench]
 """
@@ -19,9 +20,9 @@ from typing import Any
 import numpy as np
 from common import table, write_json
 
-from fedper.compression import CODECS, pack, unpack
+from fedper.compression import CODECS
 from fedper.models import build_model, describe, exported_state
-from fedper.wire import UpdateMeta, chunk
+from fedper.wire import UpdateMeta, chunk, decode_tensors, update_blob
 
 MODELS = (("mobilenet_v1", 1.0), ("resnet34", 1.0))
 KPS = (1, 2, 3, 4)
@@ -44,9 +45,9 @@ def sizes(models=MODELS, kps=KPS) -> list[dict[str, Any]]:
         for kp in kps:
             manifest, tensors = shared_tensors(arch, width, kp)
             meta = {k: v for k, v in json.loads(UpdateMeta(1, 500, manifest.base_digest).encode()).items() if k != "v"}
-            down = framed_bytes(pack(tensors, "fp32"), {"round": 1})
+            down = framed_bytes(update_blob(manifest, tensors), {"round": 1})
             for codec in CODECS:
-                blob = pack(tensors, codec)
+                blob = update_blob(manifest, tensors, codec)
                 up = framed_bytes(blob, {**meta, "codec": codec})
                 rows.append({"model": arch, "width": width, "kp": kp, "codec": codec, "shared_params":
                              sum(v.size for v in tensors.values()), "update_blob": len(blob), "up": up,
@@ -54,8 +55,17 @@ def sizes(models=MODELS, kps=KPS) -> list[dict[str, Any]]:
     return rows
 
 
-def accuracy_cost(rounds: int) -> list[dict[str, Any]]:
-    """Final mean client accuracy with each codec applied to every update (digits, MobileNet-v1 w0.25)."""
+ACCURACY_SETUP = ("digits at 16x16, 5 clients x 4 classes, MobileNet-v1 w0.25, FedPer K_P=2, 1 local epoch, B=32, "
+                  "lr 0.05, momentum 0.9")
+
+
+JITTER = "fp32 + 2^-24 jitter"  # the control: float32 round-off-sized noise on every trainable value
+
+
+def accuracy_cost(rounds: int, seeds: tuple[int, ...]) -> list[dict[str, Any]]:
+    """Final mean client accuracy with each codec applied to every update, over several run seeds.
+    The control row multiplies every trainable value of every update by (1 + 2^-24 N(0, 1)): what
+    float32 round-off alone does to these runs, so a codec's cost can be told from run-to-run chaos."""
     import torch
 
     from fedper.emulate.data import DataConfig, load_fleet_data
@@ -67,34 +77,45 @@ def accuracy_cost(rounds: int) -> list[dict[str, Any]]:
         codec = "fp32"
 
         def _train(self, state):  # the emulator's per-client hook: (shared, local) after local training
+            noise = np.random.default_rng([state.seed, state.round])
             for shared, local in super()._train(state):
-                _, back = unpack(pack({n: v.cpu().numpy() for n, v in shared.items()}, self.codec))
+                tensors = {n: v.cpu().numpy() for n, v in shared.items()}
+                if self.codec == JITTER:
+                    back = {n: (v * (1 + 2**-24 * noise.standard_normal(v.shape))).astype(v.dtype)
+                            if self.manifest.spec(n).trainable else v for n, v in tensors.items()}
+                else:
+                    back = decode_tensors(self.manifest, update_blob(self.manifest, tensors, self.codec), self.codec)
                 yield {n: torch.from_numpy(back[n]).to(v.device) for n, v in shared.items()}, local
 
-    data = load_fleet_data(DataConfig(dataset="digits", clients=5, classes_per_client=4, seed=0))
-    config = FleetConfig(model="mobilenet_v1", width=0.25, algorithm="fedper", kp=2, local_epochs=1, batch_size=32,
-                         lr=0.05, seed=0, engine="sequential")
     rows = []
-    for codec in CODECS:
-        fleet = CompressedFleet(config, data)
-        fleet.codec = codec
-        state, history = fleet.init(), []
-        for _ in range(rounds):
-            state, metrics = fleet.run_round(state)
-            history.append(metrics["mean_accuracy"])
-        rows.append({"codec": codec, "rounds": rounds, "mean_accuracy": history[-1], "history": history})
-    reference = rows[0]["mean_accuracy"]
+    for codec in ("fp32", JITTER, *CODECS[1:]):
+        finals, histories = [], []
+        for seed in seeds:
+            data = load_fleet_data(DataConfig(dataset="digits", clients=5, classes_per_client=4, input_size=16,
+                                              seed=seed))
+            config = FleetConfig(model="mobilenet_v1", width=0.25, algorithm="fedper", kp=2, local_epochs=1,
+                                 batch_size=32, lr=0.05, momentum=0.9, seed=seed, engine="sequential")
+            fleet = CompressedFleet(config, data)
+            fleet.codec = codec
+            state, history = fleet.init(), []
+            for _ in range(rounds):
+                state, metrics = fleet.run_round(state)
+                history.append(metrics["mean_accuracy"])
+            finals.append(history[-1])
+            histories.append(history)
+        rows.append({"codec": codec, "rounds": rounds, "seeds": list(seeds), "final_accuracy": finals,
+                     "mean_accuracy": float(np.mean(finals)), "histories": histories})
+    reference = rows[0]
     for row in rows:
-        row["delta_vs_fp32"] = row["mean_accuracy"] - reference
+        row["delta_vs_fp32"] = row["mean_accuracy"] - reference["mean_accuracy"]
+        row["delta_per_seed"] = [a - b for a, b in zip(row["final_accuracy"], reference["final_accuracy"], strict=True)]
     return rows
 
 
 def run(out: Path, quick: bool = False) -> str:
     rows = sizes(MODELS[:1], (1,)) if quick else sizes()
-    accuracy = [] if quick else accuracy_cost(rounds=5)
-    write_json(out, "wire", {"sizes": rows, "accuracy": accuracy,
-                             "accuracy_setup": "digits, 5 clients x 4 classes, MobileNet-v1 w0.25, FedPer K_P=2, "
-                                               "1 local epoch, B=32, lr 0.05, seed 0"})
+    accuracy = [] if quick else accuracy_cost(rounds=15, seeds=(0, 1, 2, 3, 4))
+    write_json(out, "wire", {"sizes": rows, "accuracy": accuracy, "accuracy_setup": ACCURACY_SETUP})
     text = table(["model", "K_P", "codec", "shared values", "up MB", "down MB (fp32)", "framing overhead",
                   "MB per device per round", "up vs fp32"],
                  [[r["model"], r["kp"], r["codec"], f"{r['shared_params']:,}", r["up"] / 1e6, r["down"] / 1e6,
@@ -102,10 +123,11 @@ def run(out: Path, quick: bool = False) -> str:
                    r["up"] / next(s["up"] for s in rows if (s["model"], s["kp"], s["codec"]) ==
                                   (r["model"], r["kp"], "fp32"))] for r in rows])
     if accuracy:
-        text += "\n\naccuracy cost (digits, 5 clients x 4 classes, MobileNet-v1 w0.25, FedPer K_P=2, 5 rounds):\n"
-        text += table(["codec", "final mean accuracy", "vs fp32", "per round"],
+        text += f"\n\naccuracy cost ({ACCURACY_SETUP}, {accuracy[0]['rounds']} rounds, seeds {accuracy[0]['seeds']}):\n"
+        text += table(["codec", "final mean accuracy (mean over seeds)", "vs fp32", "per seed", "vs fp32 per seed"],
                       [[r["codec"], r["mean_accuracy"], f"{r['delta_vs_fp32']:+.4f}",
-                        " ".join(f"{a:.3f}" for a in r["history"])] for r in accuracy])
+                        " ".join(f"{a:.3f}" for a in r["final_accuracy"]),
+                        " ".join(f"{d:+.3f}" for d in r["delta_per_seed"])] for r in accuracy])
     return text
 
 
