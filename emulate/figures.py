@@ -8,6 +8,8 @@ data; the other overrides (width, epochs, input size, ...) make smoke runs fit o
 from __future__ import annotations
 
 import json
+import shutil
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -109,11 +111,23 @@ def make_figure(
         f = curve.fleet
         run_dir = out / f"{i:02d}-{f.model}-{f.algorithm}-k{cdata.classes_per_client}-kp{f.kp}"
         if not _finished(run_dir, config):
-            run_experiment(config, run_dir, resume=(run_dir / STATE).exists(), show_progress=show_progress)
+            resume = _resumable(run_dir, config)
+            if not resume and run_dir.exists():
+                print(f"{run_dir}: its settings differ from this command's, so it starts over", file=sys.stderr)
+                shutil.rmtree(run_dir)
+            run_experiment(config, run_dir, resume=resume, show_progress=show_progress)
         runs.append((curve, _history(run_dir)))
     png = out.parent / f"{name}.png"
     _draw(spec, runs, png, chosen)
     return png
+
+
+def _resumable(run_dir: Path, config: RunConfig) -> bool:
+    """A saved run continues only if it is the same run; more or fewer rounds extend or reuse it."""
+    if not (run_dir / STATE).exists() or not (run_dir / CONFIG).exists():
+        return False
+    saved = RunConfig.from_json((run_dir / CONFIG).read_text())
+    return replace(saved, rounds=config.rounds) == config
 
 
 def _finished(run_dir: Path, config: RunConfig) -> bool:

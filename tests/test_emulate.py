@@ -198,3 +198,17 @@ def test_figure_without_its_dataset_says_which_is_missing(tmp_path):
     assert result.exit_code == 2 and "flickr-aes" in result.output and "--data" in result.output
     result = CliRunner().invoke(app, ["figure", "fig9", "--out", str(tmp_path)])
     assert result.exit_code == 2 and "unknown figure" in result.output
+
+
+def test_figure_rerun_with_other_settings_recomputes_its_curves(tmp_path):
+    """A figure's run directories are reused only for the same settings: with another --lr the
+    curves are trained again, not resumed with the old settings."""
+    from fedper.emulate.experiment import RunConfig
+    from fedper.emulate.figures import make_figure
+
+    common = {"out": tmp_path, "dataset": "digits", "rounds": 1, "scale": 0.2, "show_progress": False,
+              "data_overrides": {"clients": 2, "classes_per_client": 2, "input_size": 8}}
+    make_figure("fig5-6", fleet_overrides={"lr": 0.01, "local_epochs": 1, "batch_size": 16}, **common)
+    make_figure("fig5-6", fleet_overrides={"lr": 0.02, "local_epochs": 1, "batch_size": 16}, **common)
+    configs = [RunConfig.from_json(p.read_text()) for p in (tmp_path / "fig5-6").glob("*/config.json")]
+    assert configs and all(c.fleet.lr == 0.02 for c in configs)
