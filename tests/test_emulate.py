@@ -212,3 +212,21 @@ def test_figure_rerun_with_other_settings_recomputes_its_curves(tmp_path):
     make_figure("fig5-6", fleet_overrides={"lr": 0.02, "local_epochs": 1, "batch_size": 16}, **common)
     configs = [RunConfig.from_json(p.read_text()) for p in (tmp_path / "fig5-6").glob("*/config.json")]
     assert configs and all(c.fleet.lr == 0.02 for c in configs)
+
+
+def test_figure_fig7_8_runs_on_a_flickr_aes_replica(tmp_path):
+    """fig7-8's whole path (FLICKR-AES loader in its published layout, per-worker devices, FedAvg
+    and FedPer, the plot) on a small replica the test writes: the real data cannot be fetched here."""
+    from test_data import FLICKR_IMAGES, _write_flickr
+
+    from fedper.emulate.figures import make_figure
+
+    root = tmp_path / "flickr"
+    (root / FLICKR_IMAGES).mkdir(parents=True)
+    _write_flickr(root, [60, 70, 65])
+    png = make_figure("fig7-8", out=tmp_path / "figs", data=root, rounds=1, models=("mobilenet_v1",),
+                      show_progress=False, fleet_overrides={"width": 0.25, "local_epochs": 1, "batch_size": 4},
+                      data_overrides={"clients": 3, "input_size": 16})
+    assert png.stat().st_size > 1000
+    summaries = [json.loads(p.read_text()) for p in (tmp_path / "figs" / "fig7-8").glob("*/summary.json")]
+    assert len(summaries) == 2 and all(s["rounds"] == 1 for s in summaries)
