@@ -47,7 +47,7 @@ def train_clients_batched(
     stacked = stacked | counters
 
     batched_grad = vmap(grad(_loss, argnums=1), in_dims=(None, 0, 0, 0, 0))
-    with ort_batchnorm(model):
+    with ort_batchnorm(model, functional=True):
         for phase_index, phase in enumerate(phases):
             names = prepare_phase(model, manifest, phase.trained)
             velocity = {n: torch.zeros_like(stacked[n]) for n in names} if momentum else {}

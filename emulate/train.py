@@ -5,7 +5,7 @@ others are frozen by requires_grad. Every BatchNorm layer runs in train mode dur
 training, frozen or not, as the exported ORT graphs do on the devices (ORT_NOTES "Freezing": a
 head-only graph still moves the base's running statistics), so frozen weights stay put while
 their running statistics follow the local data, with ORT's biased running_var
-(fedper.batches.ort_running_var). Batches come from the kernel's order
+(fedper.batches: DeferredOrtRunningVar here, ort_running_var under vmap). Batches come from the kernel's order
 (fedper.batches) keyed (client_seed, round, phase_index, epoch), exactly as an agent draws them,
 so both engines, a resumed run and a fleet of agents see the very same batches.
 """
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedper.algorithms import Phase, Trained
-from fedper.batches import client_seed, epoch_batches, ort_running_var
+from fedper.batches import DeferredOrtRunningVar, client_seed, epoch_batches, ort_running_var
 from fedper.manifest import Manifest
 
 EVAL_CHUNK = 1000  # test samples per forward pass at evaluation
@@ -44,15 +44,19 @@ def phase_batches(n: int, batch_size: int, key: BatchKey, phase_index: int, epoc
 
 
 @contextmanager
-def ort_batchnorm(model: nn.Module) -> Iterator[None]:
-    """While training, every BatchNorm layer updates its running statistics as the ORT graphs do."""
-    handles = [m.register_forward_pre_hook(ort_running_var) for m in model.modules()
+def ort_batchnorm(model: nn.Module, functional: bool = False) -> Iterator[None]:
+    """While training, every BatchNorm layer updates its running statistics as the ORT graphs do;
+    `functional`: the model runs under torch.func (vmap), where only ort_running_var works."""
+    hook = ort_running_var if functional else DeferredOrtRunningVar()
+    handles = [m.register_forward_pre_hook(hook) for m in model.modules()
                if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
+        if not functional:
+            hook.flush()
 
 
 def trained_names(manifest: Manifest, trained: Trained) -> list[str]:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedper.batches import client_seed, epoch_batches, ort_running_var
+from fedper.batches import DeferredOrtRunningVar, client_seed, epoch_batches, ort_running_var
 
 
 @pytest.mark.parametrize("n,batch_size", [(1, 4), (2, 4), (9, 4), (10, 4), (12, 4), (33, 32), (64, 32), (5, 1)])
@@ -54,3 +54,22 @@ def test_ort_running_var_moves_running_var_by_the_biased_batch_variance() -> Non
     before = bn.running_var.clone()
     bn(x)
     assert torch.equal(bn.running_var, before)
+
+
+def test_deferred_ort_running_var_lands_where_ort_running_var_does_across_training_steps() -> None:
+    """The cheap hook moves each update after the backward; after flush() both hooks agree."""
+    torch.manual_seed(0)
+    exact, deferred = (torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3), torch.nn.BatchNorm2d(3), torch.nn.Flatten())
+                       for _ in range(2))
+    deferred.load_state_dict(exact.state_dict())
+    exact[1].register_forward_pre_hook(ort_running_var)
+    hook = DeferredOrtRunningVar()
+    deferred[1].register_forward_pre_hook(hook)
+    for _ in range(3):  # forward, backward, then the next forward moves the previous update
+        x = 3 * torch.randn(5, 2, 4, 4)
+        for net in (exact, deferred):
+            net(x).square().sum().backward()
+    assert not torch.allclose(exact[1].running_var, deferred[1].running_var, atol=1e-4)  # last move pending
+    hook.flush()
+    assert torch.allclose(exact[1].running_var, deferred[1].running_var, rtol=1e-6, atol=1e-7)
+    assert torch.equal(exact[1].running_mean, deferred[1].running_mean)
