@@ -13,14 +13,17 @@ name), so the manifest's tensors and the checkpoint do not change; only the grap
   y[:, c] = x[:, c] (flattened) @ M_c, with x transposed to [C, B, HW]; larger maps keep the Conv.
 - `+clip`: every ReLU as Clip(min=0) (ORT's gradient: GreaterOrEqual, Cast, Mul: multi-threaded
   elementwise ops instead of the single-threaded ReluGrad).
+- `fast`: toeplitz<=8 + clip, as `fedper-export --graph fast` writes it (fedper.export.graph, whose
+  modules the other variants use too).
 
-Each variant is exported by the project's own `export_artifacts` (its `build_model` patched to
-swap the modules in), checked layer by layer against nn.Conv2d (1e-5), checked for one ORT
-training step against the stock export from the same weights and batch (loss, every updated
-tensor and the eval loss within 1e-4) and against PyTorch's step in float64 (is the variant as
-close to the exact step as the stock export is?), then timed in the agent's training loop
-(OrtBackend) against PyTorch eager on the stock model, interleaved repeats, medians of per-repeat
-ratios. Last, ORT's profile of the stock export and of the fastest variant, by op type.
+Each variant is exported by the project's own `export_artifacts` (stock and fast as it ships,
+the others with its `build_model` patched to swap the modules in), checked layer by layer against
+nn.Conv2d (1e-5), checked for one ORT training step against the stock export from the same
+weights and batch (loss, every updated tensor and the eval loss within 1e-4) and against
+PyTorch's step in float64 (is the variant as close to the exact step as the stock export is?),
+then timed in the agent's training loop (OrtBackend) against PyTorch eager on the stock model,
+interleaved repeats, medians of per-repeat ratios. Last, ORT's profile of the stock export and of
+the fastest variant, by op type.
 
 Full run ~5 minutes on an idle 2-core machine (10 under load average 4-7); --quick ~40 s.
 
@@ -49,6 +52,7 @@ from torch import nn
 
 import fedper.export.exporter as exporter
 from fedper.edge.ort_backend import OrtBackend
+from fedper.export.graph import MAX_SIDE, ClipReLU, ToeplitzDepthwise, depthwise_layers, replace
 from fedper.manifest import Manifest
 
 ARCH = "mobilenet_v1"
@@ -82,44 +86,6 @@ class TapsDepthwise(nn.Module):
         return out
 
 
-def tap_matrix(height: int, width: int, stride: int) -> tuple[torch.Tensor, int, int]:
-    """P [9, H*W * Ho*Wo] with P[t, k*O + o] = 1 where input pixel k is tap t of output pixel o."""
-    ho, wo = (height - 1) // stride + 1, (width - 1) // stride + 1
-    p = np.zeros((9, height * width, ho * wo), np.float32)
-    oh, ow = np.meshgrid(np.arange(ho), np.arange(wo), indexing="ij")
-    for i in range(3):
-        for j in range(3):
-            h, w = oh * stride + i - 1, ow * stride + j - 1
-            inside = (h >= 0) & (h < height) & (w >= 0) & (w < width)
-            p[i * 3 + j, (h * width + w)[inside], (oh * wo + ow)[inside]] = 1
-    return torch.from_numpy(p.reshape(9, -1)), ho, wo
-
-
-class ToeplitzDepthwise(nn.Module):
-    """3x3 depthwise conv (padding 1) on an HxW map as one MatMul batched over channels.
-
-    The weight is scattered into per-channel [H*W, Ho*Wo] matrices by a MatMul with the constant
-    `taps` (a plain tensor attribute, so the ONNX export inlines it as a Constant, not an initializer).
-    """
-
-    def __init__(self, conv: nn.Conv2d, height: int, width: int) -> None:
-        super().__init__()
-        self.weight = conv.weight
-        self.channels, self.pixels = conv.in_channels, height * width
-        self.taps, self.out_h, self.out_w = tap_matrix(height, width, conv.stride[0])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        c, k, o = self.channels, self.pixels, self.out_h * self.out_w
-        m = (self.weight.reshape(c, 9) @ self.taps).reshape(c, k, o)
-        xt = x.reshape(-1, c, k).transpose(0, 1)  # [C, B, HW]
-        return torch.matmul(xt, m).transpose(0, 1).reshape(-1, c, self.out_h, self.out_w)
-
-
-class ClipReLU(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.clamp(x, min=0.0)
-
-
 # ---------------------------------------------------------------- variants
 
 
@@ -139,33 +105,9 @@ VARIANTS = (
     Variant("toeplitz<=16", "toeplitz", 16),
     Variant("stock+clip", clip=True),
     Variant("toeplitz<=16+clip", "toeplitz", 16, clip=True),
+    Variant("fast", "toeplitz", MAX_SIDE, clip=True),  # what `fedper-export --graph fast` writes
 )
-QUICK_VARIANTS = ("stock", "taps", "toeplitz<=16", "stock+clip")
-
-
-def depthwise_layers(model: nn.Module, input_size: int) -> dict[str, tuple[nn.Conv2d, int, int]]:
-    """{module path: (conv, input height, input width)} for every 3x3, padding-1 depthwise conv."""
-    found = {name: m for name, m in model.named_modules()
-             if isinstance(m, nn.Conv2d) and m.groups > 1 and m.groups == m.in_channels == m.out_channels
-             and m.kernel_size == (3, 3) and m.padding == (1, 1) and m.dilation == (1, 1) and m.bias is None}
-    shapes: dict[str, tuple[int, int]] = {}
-    hooks = [m.register_forward_hook(lambda mod, args, out, name=name: shapes.__setitem__(name, args[0].shape[2:]))
-             for name, m in found.items()]
-    was_training = model.training
-    try:
-        model.eval()
-        with torch.no_grad():
-            model(torch.zeros(1, 3, input_size, input_size))
-    finally:
-        model.train(was_training)
-        for h in hooks:
-            h.remove()
-    return {name: (conv, *shapes[name]) for name, conv in found.items()}
-
-
-def swap(parent_of: nn.Module, path: str, new: nn.Module) -> None:
-    parent, _, child = path.rpartition(".")
-    setattr(parent_of.get_submodule(parent) if parent else parent_of, child, new)
+QUICK_VARIANTS = ("stock", "taps", "stock+clip", "fast")
 
 
 def apply_variant(model: nn.Module, variant: Variant, input_size: int) -> list[dict[str, Any]]:
@@ -182,11 +124,11 @@ def apply_variant(model: nn.Module, variant: Variant, input_size: int) -> list[d
             if err > FORWARD_TOL:
                 raise AssertionError(f"{variant.name} {path}: forward differs from nn.Conv2d by {err:.2e}")
             checks.append({"layer": path, "map": f"{h}x{w}", "stride": conv.stride[0], "max_abs_err": err})
-            swap(model, path, new)
+            replace(model, path, new)
     if variant.clip:
         for path, m in list(model.named_modules()):
             if isinstance(m, nn.ReLU):
-                swap(model, path, ClipReLU())
+                replace(model, path, ClipReLU())
     return checks
 
 
@@ -205,11 +147,17 @@ def building(variant: Variant, checks: list[dict[str, Any]]) -> Iterator[None]:
 
 
 def export(cache: Path, variant: Variant, width: float) -> tuple[Path, Manifest, list[dict[str, Any]]]:
+    """Stock and fast through the exporter as it ships; the other variants with their modules patched in."""
     out = cache / f"{variant.name}-w{width}".replace("<=", "le").replace("+", "_")
+    args = {"model": ARCH, "kp": 0, "num_classes": NUM_CLASSES, "input_size": INPUT_SIZE, "width": width,
+            "algorithm": "fedavg", "force": True}
     checks: list[dict[str, Any]] = []
+    if variant.name in ("stock", "fast"):
+        if variant.name == "fast":  # the same layer checks, on a model of its own
+            checks = apply_variant(exporter.build_model(ARCH, NUM_CLASSES, width, INPUT_SIZE), variant, INPUT_SIZE)
+        return out, exporter.export_artifacts(out, graph=variant.name, **args), checks
     with building(variant, checks):
-        manifest = exporter.export_artifacts(out, model=ARCH, kp=0, num_classes=NUM_CLASSES, input_size=INPUT_SIZE,
-                                             width=width, algorithm="fedavg", force=True)
+        manifest = exporter.export_artifacts(out, **args)
     return out, manifest, checks
 
 

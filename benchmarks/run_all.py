@@ -18,7 +18,7 @@ from pathlib import Path
 from common import machine
 
 HERE = Path(__file__).resolve().parent
-MODULES = ("device_training", "coordinator", "wire", "round_latency")  # each has run(out, quick) -> table
+MODULES = ("device_training", "depthwise_graph", "coordinator", "wire", "round_latency")  # run(out, quick) -> table
 EXPORT_TABLE = "export_table"  # its own script and options; left out of --quick (it exports 8 full models)
 
 

@@ -21,6 +21,7 @@ import torch
 from onnx import numpy_helper
 
 from fedper.artifacts import INPUT_NAME, LOGITS_NAME, trained_names
+from fedper.export.graph import rewrite_fast
 from fedper.manifest import Manifest
 from fedper.models import BlockNet
 
@@ -33,9 +34,12 @@ class ExportError(ValueError):
 
 
 def torch_to_onnx(model: BlockNet, state: Mapping[str, torch.Tensor], manifest: Manifest) -> onnx.ModelProto:
-    """Training-mode ONNX graph `input` -> `logits` whose initializers are exactly `state`, by manifest name."""
+    """Training-mode ONNX graph `input` -> `logits` whose initializers are exactly `state`, by manifest name,
+    built with the ops of `manifest.graph` (fedper.export.graph)."""
     size = manifest.model.input_shape[1]
     clone = copy.deepcopy(model).train()
+    if manifest.graph == "fast":
+        rewrite_fast(clone, size)
     buffer = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the legacy exporter's deprecation and num_batches_tracked notices

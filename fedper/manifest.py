@@ -54,6 +54,8 @@ class Manifest:
     files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
     # ORT training artifact sets by what they train ("all", "head", "base") -> folder relative to the manifest
     artifact_sets: dict[str, str] = field(default_factory=dict)
+    # the ops the graphs were built with: "stock" (torch.onnx's) or "fast" (fedper.export.graph); same tensors
+    graph: str = "stock"
     format_version: int = FORMAT_VERSION
 
     def names(self, role: str | None = None, *, shared: bool | None = None) -> list[str]:
@@ -104,7 +106,7 @@ class Manifest:
             manifest = cls(
                 model=model, algorithm=body["algorithm"], tensors=tensors,
                 versions=dict(body.get("versions", {})), files=dict(body.get("files", {})),
-                artifact_sets=dict(body.get("artifact_sets", {})),
+                artifact_sets=dict(body.get("artifact_sets", {})), graph=str(body.get("graph", "stock")),
             )
         except (KeyError, TypeError) as e:
             raise ManifestError(f"malformed manifest: {type(e).__name__}: {e}") from None

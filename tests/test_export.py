@@ -317,3 +317,34 @@ def test_224_input_exports_and_matches(tmp_path):
     np.testing.assert_allclose(session.run(["logits"], {"input": x.numpy()})[0], expected, atol=1e-5)
     assert Manifest.load(out).model.input_shape == (3, 224, 224)
     assert verify(out) == []
+
+
+@pytest.mark.parametrize("input_size", [32, 224])
+def test_fast_graph_trains_like_pytorch_with_fewer_depthwise_convs(tmp_path, input_size):
+    """--graph fast: same tensors as the stock export; its small depthwise convolutions are MatMuls and its ReLUs
+    Clips, and it still matches PyTorch (eval logits 1e-5, one SGD step 1e-4), in .ort form too."""
+    args = {**ARGS, "input_size": input_size}
+    out, net = exported_with_moved_bn_stats(tmp_path / "fast", **args, graph="fast", ort_format=True)
+    stock = export_artifacts(tmp_path / "stock", **args)
+    manifest = Manifest.load(out)
+    assert (manifest.graph, stock.graph) == ("fast", "stock")
+    assert manifest.tensors == stock.tensors and manifest.base_digest == stock.base_digest
+    assert verify(out) == []
+
+    def ops(path: Path) -> list[onnx.NodeProto]:
+        return list(onnx.load(path).graph.node)
+
+    depthwise = [n for n in ops(out / "inference.onnx") if n.op_type == "Conv"
+                 and any(a.name == "group" and a.i > 1 for a in n.attribute)]
+    stock_depthwise = [n for n in ops(tmp_path / "stock" / "inference.onnx") if n.op_type == "Conv"
+                       and any(a.name == "group" and a.i > 1 for a in n.attribute)]
+    assert len(stock_depthwise) == 13 and 0 < len(stock_depthwise) - len(depthwise) < 13  # large maps keep Conv
+    assert not any(n.op_type in ("Relu", "ReluGrad") for n in ops(out / "train" / "all" / "training_model.onnx"))
+
+    x = torch.randn(4, 3, input_size, input_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = net.eval()(x).numpy()
+    np.testing.assert_allclose(ort_eval_logits(out / "train" / "all", x.numpy()), expected, atol=1e-5)
+    np.testing.assert_allclose(ort_eval_logits(out / "train" / "all", x.numpy(), suffix=".ort"), expected, atol=1e-5)
+    if input_size == 32:
+        assert_sgd_parity(out / "train" / "all", net, seed=4)

@@ -40,6 +40,7 @@ def test_export_then_verify(tmp_path):
         ([*TINY[:2], "--kp", "0", "--num-classes", "3"], "fedper needs a head"),
         ([*TINY, "--algorithm", "fedsgd"], "unknown algorithm 'fedsgd'"),
         ([*TINY, "--classes", "a,b"], "2 class names for a model with 3 outputs"),
+        ([*TINY, "--graph", "turbo"], "unknown graph 'turbo'; choose one of stock, fast"),
     ],
 )
 def test_bad_input_is_one_clear_line(tmp_path, args, message):
