@@ -7,8 +7,8 @@ an ORT device never loads torch through it. The weights are the artifacts' own: 
 read by name from inference.onnx (the manifest names equal the state_dict keys).
 
 BatchNorm: onnxruntime-training updates running_var with the biased batch variance, PyTorch with
-the unbiased one. The kernel's `ort_running_var` hook moves PyTorch's update onto ORT's, so that
-both backends produce the same update from the same state and data.
+the unbiased one. The kernel's `DeferredOrtRunningVar` hook moves PyTorch's update onto ORT's, so
+that both backends produce the same update from the same state and data.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedper.batches import ort_running_var
+from fedper.batches import DeferredOrtRunningVar
 from fedper.edge.backend import TrainStats, evaluate_batches, run_epochs, trained_names
 from fedper.manifest import Manifest, ManifestError
 
@@ -51,9 +51,10 @@ class TorchBackend:
         unknown = sorted(set(self._tensors) ^ set(manifest.names()))
         if unknown:
             raise ManifestError(f"the model built from the manifest does not match its tensors: {unknown[:3]}")
+        self._batchnorm = DeferredOrtRunningVar()  # flushed at the end of every train()
         for bn in self.model.modules():
             if isinstance(bn, torch.nn.modules.batchnorm._BatchNorm):
-                bn.register_forward_pre_hook(ort_running_var)
+                bn.register_forward_pre_hook(self._batchnorm)
         self.load(inference_weights(artifacts, manifest))
 
     def load(self, tensors: Mapping[str, np.ndarray]) -> None:
@@ -89,7 +90,10 @@ class TorchBackend:
             optimizer.step()
             return loss.item()
 
-        return run_epochs(step, len(y), epochs=epochs, batch_size=batch_size, seed=seed)
+        try:
+            return run_epochs(step, len(y), epochs=epochs, batch_size=batch_size, seed=seed)
+        finally:
+            self._batchnorm.flush()
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
         import torch
