@@ -34,7 +34,7 @@ def export(
     ort_format: bool = typer.Option(False, "--ort-format", help="Also write .ort files for ORT mobile builds."),
     graph: str = typer.Option(
         "stock", "--graph", help="stock: torch.onnx's ops. fast: small depthwise convolutions as MatMul and ReLU as "
-        "Clip, same weights; ORT trains MobileNet-v1 ~1.7-1.9x faster on CPU (docs/performance.md)."),
+        "Clip, same weights; ORT trains MobileNet-v1 ~1.6-1.9x faster on CPU (docs/performance.md)."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory."),
     out: Path = typer.Option(None, "--out", help="Output directory (created; written atomically)."),
 ) -> None:
