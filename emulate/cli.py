@@ -10,9 +10,6 @@ import typer
 
 app = typer.Typer(help="Emulate a FedPer fleet in one process: runs, and the paper's figures.", no_args_is_help=True)
 
-PAPER_BATCH = {"flickr-aes": 4}  # the paper: 128 for CIFAR, 4 for FLICKR-AES
-PAPER_CLIENTS = {"flickr-aes": 30}  # the paper: N = 10 for CIFAR, 30 for FLICKR-AES
-
 
 def _fail(message: str, code: int = 2) -> None:
     typer.echo(f"error: {message}", err=True)
@@ -55,7 +52,7 @@ def run(
     Under torchrun (WORLD_SIZE > 1) each process trains its share of the clients and rank 0 writes."""
     from fedper.algorithms import get_algorithm
     from fedper.data import DataError
-    from fedper.emulate.data import DataConfig
+    from fedper.emulate.data import PAPER_BATCH, PAPER_CLIENTS, DataConfig
     from fedper.emulate.experiment import RunConfig, RunError, run_experiment, run_launched, run_spawned
     from fedper.emulate.fleet import FleetConfig
 
@@ -107,7 +104,7 @@ def figure(
     rounds: int = typer.Option(100, help="Rounds before --scale (the paper: 100)"),
     width: float | None = typer.Option(None, help="Width multiplier (default 1.0)"),
     local_epochs: int | None = typer.Option(None, help="Local epochs (default 4)"),
-    batch_size: int | None = typer.Option(None, help="Batch size (default 128)"),
+    batch_size: int | None = typer.Option(None, help="Batch size (default 128; FLICKR-AES 4)"),
     lr: float | None = typer.Option(None, help="SGD learning rate (default 0.01)"),
     momentum: float | None = typer.Option(None, help="SGD momentum (default 0)"),
     clients: int | None = typer.Option(None, help="Clients (default 10; FLICKR-AES 30)"),

@@ -32,6 +32,11 @@ PARTITIONS = ("classes", "shards", "dirichlet")
 TEST_FRACTION = 0.2  # the paper's 80/20 split of each device's data when the source has no test split
 
 
+# The paper's settings that differ by data set (CIFAR: N = 10 clients, batch 128).
+PAPER_CLIENTS = {"flickr-aes": 30}
+PAPER_BATCH = {"flickr-aes": 4}
+
+
 @dataclass(frozen=True)
 class DataConfig:
     dataset: str = "digits"

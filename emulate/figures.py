@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fedper.data import DataError
-from fedper.emulate.data import DataConfig
+from fedper.emulate.data import PAPER_BATCH, PAPER_CLIENTS, DataConfig
 from fedper.emulate.experiment import CONFIG, METRICS, STATE, SUMMARY, RunConfig, run_experiment
 from fedper.emulate.fleet import FleetConfig
 
@@ -104,10 +104,13 @@ def make_figure(
     out = Path(out) / name
     runs = []
     for i, curve in enumerate(spec.curves):
-        flickr = chosen == "flickr-aes"
-        cdata = replace(curve.data, dataset=chosen, data=str(data) if data else None,
-                        clients=30 if flickr and "clients" not in (data_overrides or {}) else curve.data.clients)
-        config = RunConfig(cdata, curve.fleet, max(1, round(rounds * scale)), device)
+        # the paper's per-data-set settings, unless the command set them
+        clients = PAPER_CLIENTS.get(chosen, curve.data.clients) if "clients" not in (data_overrides or {}) \
+            else curve.data.clients
+        batch = PAPER_BATCH.get(chosen, curve.fleet.batch_size) if "batch_size" not in (fleet_overrides or {}) \
+            else curve.fleet.batch_size
+        cdata = replace(curve.data, dataset=chosen, data=str(data) if data else None, clients=clients)
+        config = RunConfig(cdata, replace(curve.fleet, batch_size=batch), max(1, round(rounds * scale)), device)
         f = curve.fleet
         run_dir = out / f"{i:02d}-{f.model}-{f.algorithm}-k{cdata.classes_per_client}-kp{f.kp}"
         if not _finished(run_dir, config):

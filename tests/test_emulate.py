@@ -225,8 +225,11 @@ def test_figure_fig7_8_runs_on_a_flickr_aes_replica(tmp_path):
     (root / FLICKR_IMAGES).mkdir(parents=True)
     _write_flickr(root, [60, 70, 65])
     png = make_figure("fig7-8", out=tmp_path / "figs", data=root, rounds=1, models=("mobilenet_v1",),
-                      show_progress=False, fleet_overrides={"width": 0.25, "local_epochs": 1, "batch_size": 4},
+                      show_progress=False, fleet_overrides={"width": 0.25, "local_epochs": 1},
                       data_overrides={"clients": 3, "input_size": 16})
     assert png.stat().st_size > 1000
     summaries = [json.loads(p.read_text()) for p in (tmp_path / "figs" / "fig7-8").glob("*/summary.json")]
     assert len(summaries) == 2 and all(s["rounds"] == 1 for s in summaries)
+    configs = [json.loads(p.read_text()) for p in (tmp_path / "figs" / "fig7-8").glob("*/config.json")]
+    # the paper's FLICKR-AES batch of 4 by default; the command's client count over the paper's 30
+    assert [(c["fleet"]["batch_size"], c["data"]["clients"]) for c in configs] == [(4, 3), (4, 3)]
