@@ -4,8 +4,9 @@ Fold time is a ratio against a raw numpy `acc += update` over the same float32 b
 the same run: WeightedMean.add (the rule the coordinator runs: a float64 sum fed block by block),
 a raw float64 `acc += update64` (what any float64 sum must stream through memory: the floor for
 the rule), the wire decode (chunk checks + reassembly + safetensors + validation), and the
-engine's whole path per update (decode + validate + fold + the per-update checkpoint it writes so
-a restart loses nothing). Memory: tracemalloc peak while WeightedMean folds N emulated updates,
+engine's whole path per update (decode + validate + fold + the checkpoint it writes so a restart
+loses nothing: the blob, or every PARTIAL_EVERY updates the float64 partial mean), averaged over
+2 x PARTIAL_EVERY updates. Memory: tracemalloc peak while WeightedMean folds N emulated updates,
 as a multiple of one update's size, and the same for the engine's whole path.
 
     python benchmarks/coordinator.py [--quick] [--out runs/bench]
@@ -24,7 +25,7 @@ import numpy as np
 from common import median, table, timed, write_json
 
 from fedper.aggregation import WeightedMean
-from fedper.coordinator.engine import Config, Coordinator
+from fedper.coordinator.engine import PARTIAL_EVERY, Config, Coordinator
 from fedper.coordinator.store import Store
 from fedper.manifest import Manifest
 from fedper.models import build_model, describe, exported_state
@@ -81,8 +82,8 @@ def fold_times(manifest: Manifest, base: dict[str, np.ndarray], repeats: int) ->
         for name, fn in paths.items():
             runs[name].append(timed(fn))
     result = {name: median(t) for name, t in runs.items()}
-    result["engine: decode + validate + fold + checkpoint"] = median(feed_engine(manifest, base, frames,
-                                                                                 max(3, repeats // 2))[0])
+    per_update = feed_engine(manifest, base, frames, 2 * PARTIAL_EVERY)[0]
+    result["engine: decode + validate + fold + checkpoint"] = sum(per_update) / len(per_update)
     return result
 
 def feed_engine(manifest: Manifest, base: dict[str, np.ndarray], frames: list[bytes], devices: int,

@@ -3,7 +3,10 @@
 No I/O but its state directory: `handle(topic, payload, now)` and `tick(now)` return the
 messages to publish, so tests and fuzzers drive it directly and the paho loop stays thin.
 Each accepted update is folded into the running aggregate at once and checkpointed, so memory
-is O(model) for the weighted mean and a restart loses no accepted update.
+is O(model) for the weighted mean and a restart loses no accepted update. The checkpoint of an
+update is its blob as received (no copy, float32 or smaller); every PARTIAL_EVERY updates the
+weighted mean writes its float64 partial instead (twice the bytes, and a full-size temporary),
+and the blobs it covers are deleted. A restart folds the partial, then the blobs after it.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ AGGREGATORS: dict[str, Callable[[], Any]] = {
     "trimmed-mean": TrimmedMean,
 }
 MAX_REJECTED_KEYS = 10_000
+PARTIAL_EVERY = 8  # weighted mean: a float64 partial checkpoint per this many accepted updates
 
 
 @dataclass(frozen=True)
@@ -134,7 +138,7 @@ class Coordinator:
         r = saved["round"]
         self.round = _Round(r["number"], r["folded"], r["bytes_received"], r["extensions"], Counter(r["rejected"]))
         if saved.get("partial"):
-            self._files["partial"] = saved["partial"]
+            self._files["partial"], self._files["partial_weight"] = saved["partial"], saved["partial_weight"]
             self._aggregator.add(self.store.read_tensors(saved["partial"]), saved["partial_weight"])
         for device, blob_name in saved.get("updates", {}).items():
             self._files.setdefault("updates", {})[device] = blob_name
@@ -251,13 +255,15 @@ class Coordinator:
         k = self.round.number
         self._aggregator.add(self._prepared(tensors), n_samples)
         self.round.folded[device] = {"n_samples": n_samples, "metrics": metrics}
-        if isinstance(self._aggregator, WeightedMean):
+        updates = self._files.setdefault("updates", {})
+        if isinstance(self._aggregator, WeightedMean) and len(updates) + 1 >= PARTIAL_EVERY:
             partial = self._aggregator.result(np.float64)  # exact to 1e-16 on resume
             self._files["partial"] = self.store.write_tensors(f"partial-r{k}-{len(self.round.folded)}.safetensors",
                                                               partial)
+            self._files["partial_weight"] = self._aggregator.total_weight
+            self._files["updates"] = {}  # the partial covers them; the commit deletes their files
         else:
-            name = self.store.write_bytes(f"update-r{k}-{device}.safetensors", blob)
-            self._files.setdefault("updates", {})[device] = name
+            updates[device] = self.store.write_bytes(f"update-r{k}-{device}.safetensors", blob)
         self.counters["accepted"] += 1
         self._commit()
         log.debug("round %d: accepted %s (%d samples, accuracy %s) [%d/%d]", k, device, n_samples,
@@ -336,7 +342,7 @@ class Coordinator:
                       "extensions": r.extensions, "rejected": dict(r.rejected)},
             "model": self._files["model"],
             "partial": self._files.get("partial"),
-            "partial_weight": getattr(self._aggregator, "total_weight", 0.0),
+            "partial_weight": self._files.get("partial_weight", 0.0),
             "updates": self._files.get("updates", {}),
             "registered": self.registered,
             "counters": dict(self.counters),

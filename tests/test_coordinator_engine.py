@@ -149,6 +149,36 @@ def test_restart_keeps_accepted_updates_exactly_once(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model-r2.safetensors"]
 
 
+def test_restart_between_partial_checkpoints_folds_the_partial_and_the_blobs_after_it(tmp_path: Path) -> None:
+    """Updates are checkpointed as their blobs, and every PARTIAL_EVERY as a float64 partial mean that
+    replaces the blobs it covers: a kill between two partials loses and doubles nothing."""
+    from fedper.coordinator.engine import PARTIAL_EVERY
+
+    devices = [f"d{i}" for i in range(PARTIAL_EVERY + 3)]
+    c = make(tmp_path)
+    c.start(0.0)
+    for i, d in enumerate(devices):
+        register(c, d, 10 + i)
+    for i, d in enumerate(devices[:-1]):
+        send(c, d, shifted(float(i)), 10 + i)
+    files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert files == ["model-r1.safetensors", f"partial-r1-{PARTIAL_EVERY}.safetensors",
+                     *(f"update-r1-{d}.safetensors" for d in devices[PARTIAL_EVERY:-1])]
+    del c  # killed: only the state directory survives
+    c = make(tmp_path)
+    c.start(50.0)
+    assert set(c.round.folded) == set(devices[:-1])
+    assert errors(send(c, devices[0], shifted(9.0), 10, now=51.0)) == ["duplicate_update"]
+    send(c, devices[-1], shifted(float(len(devices) - 1)), 10 + len(devices) - 1, now=51.0)
+    c.tick(52.0)
+    assert c.round.number == 2
+    weights = [10 + i for i in range(len(devices))]
+    for name, value in tiny_tensors().items():
+        expected = sum(w * (value + np.float32(i)) for i, w in enumerate(weights)) / sum(weights)
+        np.testing.assert_allclose(c.model[name], expected, rtol=1e-6)
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model-r2.safetensors"]
+
+
 def test_deadline_closes_with_quorum_and_extends_without(tmp_path: Path) -> None:
     c = make(tmp_path, min_clients=2, round_timeout=5.0)
     c.start(0.0)
