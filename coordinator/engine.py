@@ -138,7 +138,7 @@ class Coordinator:
         r = saved["round"]
         self.round = _Round(r["number"], r["folded"], r["bytes_received"], r["extensions"], Counter(r["rejected"]))
         if saved.get("partial"):
-            self._files["partial"], self._files["partial_weight"] = saved["partial"], saved["partial_weight"]
+            self._files["partial"] = saved["partial"]
             self._aggregator.add(self.store.read_tensors(saved["partial"]), saved["partial_weight"])
         for device, blob_name in saved.get("updates", {}).items():
             self._files.setdefault("updates", {})[device] = blob_name
@@ -260,7 +260,6 @@ class Coordinator:
             partial = self._aggregator.result(np.float64)  # exact to 1e-16 on resume
             self._files["partial"] = self.store.write_tensors(f"partial-r{k}-{len(self.round.folded)}.safetensors",
                                                               partial)
-            self._files["partial_weight"] = self._aggregator.total_weight
             self._files["updates"] = {}  # the partial covers them; the commit deletes their files
         else:
             updates[device] = self.store.write_bytes(f"update-r{k}-{device}.safetensors", blob)
@@ -342,7 +341,7 @@ class Coordinator:
                       "extensions": r.extensions, "rejected": dict(r.rejected)},
             "model": self._files["model"],
             "partial": self._files.get("partial"),
-            "partial_weight": self._files.get("partial_weight", 0.0),
+            "partial_weight": self._partial_weight(),
             "updates": self._files.get("updates", {}),
             "registered": self.registered,
             "counters": dict(self.counters),
@@ -350,6 +349,13 @@ class Coordinator:
             "base_digest": self.digest,
         })
         self._state_dirty = True
+
+    def _partial_weight(self) -> float:
+        """Σ n_j of the updates the partial file holds: those folded and not kept as blobs."""
+        if not self._files.get("partial"):
+            return 0.0
+        blobs = self._files.get("updates", {})
+        return float(sum(d["n_samples"] for device, d in self.round.folded.items() if device not in blobs))
 
     # ------------------------------------------------------------ outgoing
 

@@ -105,10 +105,11 @@ def make_figure(
     runs = []
     for i, curve in enumerate(spec.curves):
         # the paper's per-data-set settings, unless the command set them
-        clients = PAPER_CLIENTS.get(chosen, curve.data.clients) if "clients" not in (data_overrides or {}) \
-            else curve.data.clients
-        batch = PAPER_BATCH.get(chosen, curve.fleet.batch_size) if "batch_size" not in (fleet_overrides or {}) \
-            else curve.fleet.batch_size
+        clients, batch = curve.data.clients, curve.fleet.batch_size
+        if "clients" not in (data_overrides or {}):
+            clients = PAPER_CLIENTS.get(chosen, clients)
+        if "batch_size" not in (fleet_overrides or {}):
+            batch = PAPER_BATCH.get(chosen, batch)
         cdata = replace(curve.data, dataset=chosen, data=str(data) if data else None, clients=clients)
         config = RunConfig(cdata, replace(curve.fleet, batch_size=batch), max(1, round(rounds * scale)), device)
         f = curve.fleet

@@ -90,14 +90,11 @@ def replace(model: nn.Module, path: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
-def rewrite_fast(model: nn.Module, input_size: int, max_side: int = MAX_SIDE) -> int:
-    """Apply both rewrites to `model` in place; returns how many depthwise convolutions became MatMuls."""
-    swapped = 0
+def rewrite_fast(model: nn.Module, input_size: int, max_side: int = MAX_SIDE) -> None:
+    """Apply both rewrites to `model` in place."""
     for path, (conv, height, width) in depthwise_layers(model, input_size).items():
         if max(height, width) <= max_side:
             replace(model, path, ToeplitzDepthwise(conv, height, width))
-            swapped += 1
     for path, module in list(model.named_modules()):
         if isinstance(module, nn.ReLU):
             replace(model, path, ClipReLU())
-    return swapped
