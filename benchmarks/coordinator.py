@@ -5,7 +5,7 @@ the same run: WeightedMean.add (the rule the coordinator runs: a float64 sum fed
 a raw float64 `acc += update64` (what any float64 sum must stream through memory: the floor for
 the rule), the wire decode (chunk checks + reassembly + safetensors + validation), and the
 engine's whole path per update (decode + validate + fold + the checkpoint it writes so a restart
-loses nothing: the blob, or every PARTIAL_EVERY updates the float64 partial mean), averaged over
+loses nothing: the blob, or every PARTIAL_EVERY updates the float64 running sum), averaged over
 2 x PARTIAL_EVERY updates. Memory: tracemalloc peak while WeightedMean folds N emulated updates,
 as a multiple of one update's size, and the same for the engine's whole path.
 

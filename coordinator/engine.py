@@ -5,8 +5,9 @@ messages to publish, so tests and fuzzers drive it directly and the paho loop st
 Each accepted update is folded into the running aggregate at once and checkpointed, so memory
 is O(model) for the weighted mean and a restart loses no accepted update. The checkpoint of an
 update is its blob as received (no copy, float32 or smaller); every PARTIAL_EVERY updates the
-weighted mean writes its float64 partial instead (twice the bytes, and a full-size temporary),
-and the blobs it covers are deleted. A restart folds the partial, then the blobs after it.
+weighted mean writes its float64 running sum instead (twice the bytes, straight from the rule's own
+arrays), and the blobs it covers are deleted. A restart resumes the sum bit for bit, then folds
+the blobs after it.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ AGGREGATORS: dict[str, Callable[[], Any]] = {
     "trimmed-mean": TrimmedMean,
 }
 MAX_REJECTED_KEYS = 10_000
-PARTIAL_EVERY = 8  # weighted mean: a float64 partial checkpoint per this many accepted updates
+PARTIAL_EVERY = 8  # weighted mean: a checkpoint of its float64 sum per this many accepted updates
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,10 @@ class Coordinator:
         self.round = _Round(r["number"], r["folded"], r["bytes_received"], r["extensions"], Counter(r["rejected"]))
         if saved.get("partial"):
             self._files["partial"] = saved["partial"]
-            self._aggregator.add(self.store.read_tensors(saved["partial"]), saved["partial_weight"])
+            in_partial = len(self.round.folded) - len(saved.get("updates", {}))
+            dtypes = {t.name: t.dtype for t in self.manifest.shared_tensors}
+            self._aggregator = WeightedMean.from_sums(self.store.read_tensors(saved["partial"]),
+                                                      saved["partial_weight"], in_partial, dtypes)
         for device, blob_name in saved.get("updates", {}).items():
             self._files.setdefault("updates", {})[device] = blob_name
             tensors = decode_tensors(self.manifest, self.store.read_bytes(blob_name))
@@ -257,9 +261,8 @@ class Coordinator:
         self.round.folded[device] = {"n_samples": n_samples, "metrics": metrics}
         updates = self._files.setdefault("updates", {})
         if isinstance(self._aggregator, WeightedMean) and len(updates) + 1 >= PARTIAL_EVERY:
-            partial = self._aggregator.result(np.float64)  # exact to 1e-16 on resume
             self._files["partial"] = self.store.write_tensors(f"partial-r{k}-{len(self.round.folded)}.safetensors",
-                                                              partial)
+                                                              self._aggregator.sums())
             self._files["updates"] = {}  # the partial covers them; the commit deletes their files
         else:
             updates[device] = self.store.write_bytes(f"update-r{k}-{device}.safetensors", blob)
@@ -351,7 +354,7 @@ class Coordinator:
         self._state_dirty = True
 
     def _partial_weight(self) -> float:
-        """Σ n_j of the updates the partial file holds: those folded and not kept as blobs."""
+        """Σ n_j of the updates the partial sum holds: those folded and not kept as blobs."""
         if not self._files.get("partial"):
             return 0.0
         blobs = self._files.get("updates", {})

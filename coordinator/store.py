@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import struct
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from safetensors.numpy import load as st_load
-from safetensors.numpy import save as st_save
 
 from fedper import files
 
@@ -51,8 +52,8 @@ class Store:
             if path.name not in keep and path.name != FINAL_FILE:
                 path.unlink(missing_ok=True)
 
-    def write_tensors(self, name: str, tensors: dict[str, np.ndarray]) -> str:
-        atomic_write(self.dir / name, st_save(tensors))
+    def write_tensors(self, name: str, tensors: Mapping[str, np.ndarray]) -> str:
+        atomic_write(self.dir / name, safetensors_parts(tensors))
         return name
 
     def write_bytes(self, name: str, data: bytes) -> str:
@@ -73,6 +74,28 @@ class Store:
                 os.fsync(f.fileno())
         except OSError as e:
             raise CheckpointError(f"cannot append to {self.dir / METRICS_FILE}: {e}") from e
+
+
+# numpy dtype name -> safetensors dtype code (the format's spec)
+_SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "int64": "I64", "int32": "I32",
+                       "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+def safetensors_parts(tensors: Mapping[str, np.ndarray]) -> list[bytes | memoryview]:
+    """A safetensors file as its header and then each array's own memory: what a file write needs,
+    without safetensors.numpy.save's in-memory copy of the whole file (2x a float64 partial sum).
+    Layout per the format: u64 little-endian header length, JSON header (padded with spaces to a
+    multiple of 8), the little-endian buffers back to back in header order."""
+    arrays = {name: np.require(a, a.dtype.newbyteorder("<"), "C") for name, a in tensors.items()}
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, a in arrays.items():
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[a.dtype.name], "shape": list(a.shape),
+                        "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    return [struct.pack("<Q", len(head)), head, *(a.reshape(-1).view(np.uint8).data for a in arrays.values())]
 
 
 def _file_refs(state: dict[str, Any]) -> list[str]:

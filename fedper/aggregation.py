@@ -41,7 +41,9 @@ class WeightedMean:
     """W = sum_j gamma_j W_j with gamma_j = n_j / sum n_j over the updates that were added.
 
     The sum is float64 so that the result does not depend on the order updates arrive in (to 1e-12);
-    numpy updates are folded into it in cache-sized blocks (peak: the sum + the update being added)."""
+    numpy updates are folded into it in cache-sized blocks (peak: the sum + the update being added).
+    Its state is (sums, total_weight, count): `sums()` and `from_sums` checkpoint and resume it bit
+    for bit (the coordinator's restart)."""
 
     def __init__(self) -> None:
         self._sum: dict[str, Tensor] = {}
@@ -69,8 +71,28 @@ class WeightedMean:
         self.total_weight += float(n_samples)
         self.count += 1
 
+    @classmethod
+    def from_sums(cls, sums: Mapping[str, np.ndarray], total_weight: float, count: int,
+                  dtypes: Mapping[str, Any]) -> WeightedMean:
+        """The rule as `sums()` left it: Σ n_j W_j (float64) over `count` updates weighing `total_weight`;
+        `dtypes` are the updates' (what `result` casts back to)."""
+        if count < 1 or total_weight <= 0:
+            raise ValueError(f"a resumed sum needs updates: count {count}, total weight {total_weight}")
+        if set(sums) != set(dtypes) or any(np.asarray(v).dtype != np.float64 for v in sums.values()):
+            raise ValueError("resumed sums must be float64 and name exactly the tensors of `dtypes`")
+        rule = cls()
+        rule._sum = {name: np.require(value, np.float64, ["C", "W"]) for name, value in sums.items()}
+        rule._dtype = {name: np.dtype(dtype) for name, dtype in dtypes.items()}
+        rule.total_weight, rule.count = float(total_weight), count
+        return rule
+
+    def sums(self) -> dict[str, Tensor]:
+        """Σ n_j W_j per tensor, float64: the rule's own arrays, not copies (a checkpoint written from
+        them needs no full-size temporary). Do not modify them."""
+        return dict(self._sum)
+
     def result(self, dtype: Any = None) -> dict[str, Tensor]:
-        """The mean in each tensor's dtype, or in numpy `dtype` (float64: an exact checkpoint of a partial sum)."""
+        """The mean in each tensor's dtype, or in numpy `dtype`."""
         if not self.count:
             raise ValueError("no update to aggregate")
         scale = 1.0 / self.total_weight

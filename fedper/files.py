@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
+Buffer = bytes | bytearray | memoryview
 
-def atomic_write(path: Path, data: bytes) -> None:
+
+def atomic_write(path: Path, data: Buffer | Iterable[Buffer]) -> None:
     """Readers see the old content or the new, never a mix: temp file, fsync, rename, fsync the folder.
+
+    `data` may be a sequence of buffers written one after another (no joined copy in memory).
 
     On any OSError (e.g. ENOSPC) the temp file is removed, `path` keeps its old content, and the
     error propagates for the caller to explain in its own terms."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            for part in [data] if isinstance(data, Buffer) else data:
+                f.write(part)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
 from fedper.coordinator.engine import Config, Coordinator
@@ -150,17 +151,20 @@ def test_restart_keeps_accepted_updates_exactly_once(tmp_path: Path) -> None:
 
 
 def test_restart_between_partial_checkpoints_folds_the_partial_and_the_blobs_after_it(tmp_path: Path) -> None:
-    """Updates are checkpointed as their blobs, and every PARTIAL_EVERY as a float64 partial mean that
-    replaces the blobs it covers: a kill between two partials loses and doubles nothing."""
+    """Updates are checkpointed as their blobs, and every PARTIAL_EVERY as the float64 running sum that
+    replaces the blobs it covers: a kill between two partials loses and doubles nothing, and the
+    model is bit for bit what a run without the kill computes."""
     from fedper.coordinator.engine import PARTIAL_EVERY
 
     devices = [f"d{i}" for i in range(PARTIAL_EVERY + 3)]
+    unbroken = make(tmp_path / "unbroken")
     c = make(tmp_path)
-    c.start(0.0)
-    for i, d in enumerate(devices):
-        register(c, d, 10 + i)
-    for i, d in enumerate(devices[:-1]):
-        send(c, d, shifted(float(i)), 10 + i)
+    for coordinator in (c, unbroken):
+        coordinator.start(0.0)
+        for i, d in enumerate(devices):
+            register(coordinator, d, 10 + i)
+        for i, d in enumerate(devices[:-1]):
+            send(coordinator, d, shifted(float(i)), 10 + i)
     files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
     assert files == ["model-r1.safetensors", f"partial-r1-{PARTIAL_EVERY}.safetensors",
                      *(f"update-r1-{d}.safetensors" for d in devices[PARTIAL_EVERY:-1])]
@@ -171,12 +175,31 @@ def test_restart_between_partial_checkpoints_folds_the_partial_and_the_blobs_aft
     assert errors(send(c, devices[0], shifted(9.0), 10, now=51.0)) == ["duplicate_update"]
     send(c, devices[-1], shifted(float(len(devices) - 1)), 10 + len(devices) - 1, now=51.0)
     c.tick(52.0)
-    assert c.round.number == 2
+    send(unbroken, devices[-1], shifted(float(len(devices) - 1)), 10 + len(devices) - 1, now=51.0)
+    unbroken.tick(52.0)
+    assert c.round.number == unbroken.round.number == 2
     weights = [10 + i for i in range(len(devices))]
     for name, value in tiny_tensors().items():
         expected = sum(w * (value + np.float32(i)) for i, w in enumerate(weights)) / sum(weights)
         np.testing.assert_allclose(c.model[name], expected, rtol=1e-6)
+        assert np.array_equal(c.model[name], unbroken.model[name]), name
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model-r2.safetensors"]
+
+
+def test_tensor_files_are_safetensors_written_without_a_joined_copy(tmp_path: Path) -> None:
+    """The store writes safetensors itself (header, then each array's memory): safetensors must read
+    back every shape, dtype and layout the coordinator can hand it, byte for byte."""
+    rng = np.random.default_rng(0)
+    tensors = {"f64": rng.standard_normal((3, 4)), "transposed": rng.standard_normal((5, 2)).astype(np.float32).T,
+               "scalar": np.array(7, np.int64), "empty": np.zeros((0, 3), np.float32),
+               "big_endian": np.arange(4, dtype=">f4"), "half": np.arange(3, dtype=np.float16),
+               "count": np.array([3], np.uint8)}
+    name = Store(tmp_path).write_tensors("t.safetensors", tensors)
+    back = load_file(str(tmp_path / name))
+    assert set(back) == set(tensors)
+    for key, value in tensors.items():
+        assert back[key].shape == value.shape and back[key].dtype == value.dtype.newbyteorder("<"), key
+        assert np.array_equal(back[key], value), key
 
 
 def test_deadline_closes_with_quorum_and_extends_without(tmp_path: Path) -> None:

@@ -93,8 +93,8 @@ def test_weighted_mean_is_the_same_for_torch_and_numpy_and_any_order() -> None:
 
 def test_weighted_mean_folds_large_and_strided_tensors_exactly_in_float64() -> None:
     """The numpy fold goes block by block: tensors spanning several blocks (and a transposed,
-    non-contiguous one) must give the plain float64 formula, and a float64 partial checkpoint
-    folded back in (the coordinator's resume) must continue the same sum."""
+    non-contiguous one) must give the plain float64 formula, and a rule resumed from its sums
+    (the coordinator's restart) must continue the very same sum, bit for bit."""
     rng = np.random.default_rng(1)
     big = 3 * (1 << 15) + 7  # three whole blocks and a ragged one
     updates = [({"big": rng.standard_normal(big).astype(np.float32),
@@ -102,15 +102,19 @@ def test_weighted_mean_folds_large_and_strided_tensors_exactly_in_float64() -> N
     rule = WeightedMean()
     for tensors, n in updates[:2]:
         rule.add(tensors, n)
-    resumed = WeightedMean()
-    resumed.add(rule.result(np.float64), rule.total_weight)
+    checkpoint = {name: value.copy() for name, value in rule.sums().items()}
+    resumed = WeightedMean.from_sums(checkpoint, rule.total_weight, rule.count, {"big": np.float32, "t": np.float32})
     for mean in (rule, resumed):
         mean.add(*updates[2])
+    assert resumed.count == rule.count == 3
     for name in ("big", "t"):
         expected = sum(u[name].astype(np.float64) * n for u, n in updates) / 24
         np.testing.assert_allclose(rule.result(np.float64)[name], expected, rtol=1e-12, atol=1e-15)
-        np.testing.assert_allclose(resumed.result(np.float64)[name], expected, rtol=1e-12, atol=1e-15)
+        assert np.array_equal(resumed.sums()[name], rule.sums()[name])
         assert rule.result()[name].dtype == np.float32 and rule.result()[name].shape == updates[0][0][name].shape
+        assert resumed.result()[name].dtype == np.float32
+    with pytest.raises(ValueError, match="float64"):
+        WeightedMean.from_sums({"t": np.zeros(2, np.float32)}, 1.0, 1, {"t": np.float32})
 
 
 def test_weighted_mean_rejects_bad_updates() -> None:
