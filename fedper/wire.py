@@ -239,7 +239,7 @@ def decode_frame(payload: bytes) -> tuple[dict[str, Any], bytes]:
         raise WireError("bad_chunk", f"frame header of {n} bytes exceeds {MAX_HEADER_SIZE}")
     if len(payload) < _PREFIX.size + n:
         raise WireError("bad_chunk", f"truncated frame: header says {n} bytes, {len(payload) - _PREFIX.size} present")
-    if zlib.crc32(payload[_PREFIX.size :]) != crc:
+    if zlib.crc32(memoryview(payload)[_PREFIX.size :]) != crc:  # a view: no copy of the body
         raise WireError("bad_chunk", "corrupt or truncated frame: crc32 mismatch")
     return _json_object(payload[_PREFIX.size : _PREFIX.size + n]), payload[_PREFIX.size + n :]
 
@@ -328,8 +328,7 @@ class Blob:
 @dataclass
 class _Partial:
     first: Chunk
-    buffer: bytearray
-    received: set[int] = field(default_factory=set)
+    parts: dict[int, bytes] = field(default_factory=dict)  # index -> data: memory grows with what arrived
 
 
 class Reassembler:
@@ -359,7 +358,7 @@ class Reassembler:
             while len(self._open) >= self.max_open_blobs:
                 self._open.popitem(last=False)
                 self.evicted += 1
-            partial = self._open[key] = _Partial(c, bytearray(c.size))
+            partial = self._open[key] = _Partial(c)
         self._open.move_to_end(key)
         first = partial.first
         if (c.count, c.size, c.chunk_size, c.sha256, c.meta) != (
@@ -368,18 +367,16 @@ class Reassembler:
             del self._open[key]
             raise WireError("bad_chunk", f"inconsistent chunk {c.index} of {c.blob_id}: its header differs from chunk "
                             f"{first.index}'s")
-        start = c.index * c.chunk_size
-        if c.index in partial.received:
-            if partial.buffer[start : start + len(c.data)] != c.data:
+        if c.index in partial.parts:
+            if partial.parts[c.index] != c.data:
                 del self._open[key]
                 raise WireError("bad_chunk", f"chunk {c.index} of {c.blob_id} sent twice with different content")
             return None
-        partial.buffer[start : start + len(c.data)] = c.data
-        partial.received.add(c.index)
-        if len(partial.received) < c.count:
+        partial.parts[c.index] = c.data
+        if len(partial.parts) < c.count:
             return None
         del self._open[key]
-        data = bytes(partial.buffer)
+        data = b"".join(partial.parts[i] for i in range(c.count))  # one copy, into the blob's only buffer
         if hashlib.sha256(data).hexdigest() != c.sha256:
             raise WireError("bad_chunk", f"corrupt blob {c.blob_id}: sha256 mismatch")
         return Blob(c.blob_id, data, c.meta)

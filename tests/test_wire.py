@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -100,6 +101,22 @@ def test_oversized_declared_blob_is_refused_before_any_allocation() -> None:
     with pytest.raises(WireError, match="oversized"):
         r.add("dev", lying)
     assert len(r) == 0
+
+
+def test_partial_blobs_hold_what_arrived_not_what_they_declare() -> None:
+    """Many devices each opening a blob at the size limit with one small chunk must cost their chunks,
+    not max_open_blobs x the limit (a cheap way to exhaust the coordinator's memory otherwise)."""
+    limit = 16 << 20
+    first = chunk(bytes(limit), 1024, "big")[0]  # chunk 0 of a 16 MiB blob: 1 KiB of data
+    r = Reassembler(max_blob_size=limit, max_open_blobs=8)
+    tracemalloc.start()
+    try:
+        for device in range(8):
+            r.add(f"dev{device}", first)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(r) == 8 and peak < 1 << 20, peak
 
 
 def test_inconsistent_chunk_headers_are_refused() -> None:
