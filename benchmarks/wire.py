@@ -62,12 +62,23 @@ ACCURACY_SETUP = ("digits at 16x16, 5 clients x 4 classes, MobileNet-v1 w0.25, F
 JITTER = "fp32 + 2^-24 jitter"  # the control: float32 round-off-sized noise on every trainable value
 
 
+def update_error(previous: dict[str, np.ndarray], exact: dict[str, np.ndarray], coded: dict[str, np.ndarray]) -> float:
+    """|coded aggregate - exact aggregate| / |exact aggregate - previous model| over the given tensors:
+    the codec's error as a fraction of the round's own step (0 for fp32)."""
+    error = sum(float(np.square(coded[n] - exact[n]).sum()) for n in exact)
+    step = sum(float(np.square(exact[n] - previous[n]).sum()) for n in exact)
+    return float(np.sqrt(error / step))
+
+
 def accuracy_cost(rounds: int, seeds: tuple[int, ...]) -> list[dict[str, Any]]:
-    """Final mean client accuracy with each codec applied to every update, over several run seeds.
-    The control row multiplies every trainable value of every update by (1 + 2^-24 N(0, 1)): what
-    float32 round-off alone does to these runs, so a codec's cost can be told from run-to-run chaos."""
+    """Per codec applied to every update, over several run seeds: the final mean client accuracy, and
+    each round's update error (`update_error` of the n_j-weighted mean of what the clients sent
+    against the mean of what they trained, trainable shared tensors). The control row multiplies every
+    trainable value of every update by (1 + 2^-24 N(0, 1)): what float32 round-off alone does to
+    these runs, so a codec's cost can be told from run-to-run chaos."""
     import torch
 
+    from fedper.aggregation import WeightedMean
     from fedper.emulate.data import DataConfig, load_fleet_data
     from fedper.emulate.fleet import Fleet, FleetConfig
 
@@ -75,28 +86,35 @@ def accuracy_cost(rounds: int, seeds: tuple[int, ...]) -> list[dict[str, Any]]:
         """A fleet whose clients send their shared tensors through a codec, as a device would."""
 
         codec = "fp32"
+        update_errors: list[float]
 
         def _train(self, state):  # the emulator's per-client hook: (shared, local) after local training
             noise = np.random.default_rng([state.seed, state.round])
-            for shared, local in super()._train(state):
+            trainable = [n for n in self.shared_names if self.manifest.spec(n).trainable]
+            exact, coded = WeightedMean(), WeightedMean()
+            for j, (shared, local) in zip(self.members, super()._train(state), strict=True):
                 tensors = {n: v.cpu().numpy() for n, v in shared.items()}
                 if self.codec == JITTER:
                     back = {n: (v * (1 + 2**-24 * noise.standard_normal(v.shape))).astype(v.dtype)
                             if self.manifest.spec(n).trainable else v for n, v in tensors.items()}
                 else:
                     back = decode_tensors(self.manifest, update_blob(self.manifest, tensors, self.codec), self.codec)
+                exact.add({n: tensors[n] for n in trainable}, self.data.n_train[j])
+                coded.add({n: back[n] for n in trainable}, self.data.n_train[j])
                 yield {n: torch.from_numpy(back[n]).to(v.device) for n, v in shared.items()}, local
+            previous = {n: state.shared[n].cpu().double().numpy() for n in trainable}
+            self.update_errors.append(update_error(previous, exact.result(np.float64), coded.result(np.float64)))
 
     rows = []
     for codec in ("fp32", JITTER, *CODECS[1:]):
-        finals, histories = [], []
+        finals, histories, errors = [], [], []
         for seed in seeds:
             data = load_fleet_data(DataConfig(dataset="digits", clients=5, classes_per_client=4, input_size=16,
                                               seed=seed))
             config = FleetConfig(model="mobilenet_v1", width=0.25, algorithm="fedper", kp=2, local_epochs=1,
                                  batch_size=32, lr=0.05, momentum=0.9, seed=seed, engine="sequential")
             fleet = CompressedFleet(config, data)
-            fleet.codec = codec
+            fleet.codec, fleet.update_errors = codec, errors
             state, history = fleet.init(), []
             for _ in range(rounds):
                 state, metrics = fleet.run_round(state)
@@ -104,7 +122,9 @@ def accuracy_cost(rounds: int, seeds: tuple[int, ...]) -> list[dict[str, Any]]:
             finals.append(history[-1])
             histories.append(history)
         rows.append({"codec": codec, "rounds": rounds, "seeds": list(seeds), "final_accuracy": finals,
-                     "mean_accuracy": float(np.mean(finals)), "histories": histories})
+                     "mean_accuracy": float(np.mean(finals)), "histories": histories, "update_errors": errors,
+                     "update_error_median": float(np.median(errors)),
+                     "update_error_p90": float(np.percentile(errors, 90))})
     reference = rows[0]
     for row in rows:
         row["delta_vs_fp32"] = row["mean_accuracy"] - reference["mean_accuracy"]
@@ -124,9 +144,10 @@ def run(out: Path, quick: bool = False) -> str:
                                   (r["model"], r["kp"], "fp32"))] for r in rows])
     if accuracy:
         text += f"\n\naccuracy cost ({ACCURACY_SETUP}, {accuracy[0]['rounds']} rounds, seeds {accuracy[0]['seeds']}):\n"
-        text += table(["codec", "final mean accuracy (mean over seeds)", "vs fp32", "per seed", "vs fp32 per seed"],
-                      [[r["codec"], r["mean_accuracy"], f"{r['delta_vs_fp32']:+.4f}",
-                        " ".join(f"{a:.3f}" for a in r["final_accuracy"]),
+        text += table(["codec", "update error / round's step (median, 90th pct)", "final mean accuracy (mean of seeds)",
+                       "vs fp32", "per seed", "vs fp32 per seed"],
+                      [[r["codec"], f"{r['update_error_median']:.2e}, {r['update_error_p90']:.2e}", r["mean_accuracy"],
+                        f"{r['delta_vs_fp32']:+.4f}", " ".join(f"{a:.3f}" for a in r["final_accuracy"]),
                         " ".join(f"{d:+.3f}" for d in r["delta_per_seed"])] for r in accuracy])
     return text
 
