@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -123,8 +124,8 @@ def run_fleet(algorithm: str, kp: int, devices: list[Device], classes: list[str]
                      width=opts["width"], algorithm=algorithm, seed=opts["seed"], classes=classes, force=True)
     task = progress.add_task(f"{algorithm} (K_P={kp})", total=opts["rounds"])
     state = folder / "coordinator"
-    for old in (state / "metrics.jsonl",):
-        old.unlink(missing_ok=True)
+    for previous in (state, folder / "agents"):  # a demo starts afresh: an earlier run's state would resume
+        shutil.rmtree(previous, ignore_errors=True)
     broker = f"mqtt://127.0.0.1:{port}"
     fleet = f"demo-{algorithm}-{os.getpid()}"
     coordinator = procs.start("coordinator", [

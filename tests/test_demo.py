@@ -39,17 +39,21 @@ def demo(out: Path, *extra: str) -> subprocess.Popen:
 
 
 def test_demo_runs_fedper_and_fedavg_and_cleans_up(tmp_path: Path) -> None:
-    proc = demo(tmp_path / "run")
-    output, _ = proc.communicate(timeout=400)
-    assert proc.returncode == 0, output
-    results = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert set(results) == {"fedper", "fedavg"}
-    for result in results.values():
-        assert set(result["final"]) == {"dev-0", "dev-1"}
-        assert all(0.0 <= a <= 1.0 for a in result["final"].values())
-    assert (tmp_path / "run" / "demo.png").stat().st_size > 10_000
-    assert "FedPer" in output and "dev-1" in output
-    assert leftovers(tmp_path / "run") == []
+    """Run twice into the same folder, as `make demo` twice does: the second run starts afresh
+    (an earlier run's coordinator and agent state must not be resumed) and reports its own rounds."""
+    for rounds in ("1", "2"):
+        proc = demo(tmp_path / "run", "--rounds", rounds)
+        output, _ = proc.communicate(timeout=400)
+        assert proc.returncode == 0, output
+        results = json.loads((tmp_path / "run" / "results.json").read_text())
+        assert set(results) == {"fedper", "fedavg"}
+        for result in results.values():
+            assert len(result["round_mean"]) == int(rounds)
+            assert set(result["final"]) == {"dev-0", "dev-1"}
+            assert all(0.0 <= a <= 1.0 for a in result["final"].values())
+        assert (tmp_path / "run" / "demo.png").stat().st_size > 10_000
+        assert "FedPer" in output and "dev-1" in output
+        assert leftovers(tmp_path / "run") == []
 
 
 def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
