@@ -47,7 +47,7 @@ def sizes(models=MODELS, kps=KPS) -> list[dict[str, Any]]:
             meta = {k: v for k, v in json.loads(UpdateMeta(1, 500, manifest.base_digest).encode()).items() if k != "v"}
             down = framed_bytes(update_blob(manifest, tensors), {"round": 1})
             for codec in CODECS:
-                blob = update_blob(manifest, tensors, codec)
+                blob = update_blob(manifest, tensors, codec, base=tensors)  # a delta's size does not depend on it
                 up = framed_bytes(blob, {**meta, "codec": codec})
                 rows.append({"model": arch, "width": width, "kp": kp, "codec": codec, "shared_params":
                              sum(v.size for v in tensors.values()), "update_blob": len(blob), "up": up,
@@ -91,6 +91,7 @@ def accuracy_cost(rounds: int, seeds: tuple[int, ...]) -> list[dict[str, Any]]:
         def _train(self, state):  # the emulator's per-client hook: (shared, local) after local training
             noise = np.random.default_rng([state.seed, state.round])
             trainable = [n for n in self.shared_names if self.manifest.spec(n).trainable]
+            base = {n: v.cpu().numpy() for n, v in state.shared.items()}  # the round's model, as devices hold it
             exact, coded = WeightedMean(), WeightedMean()
             for j, (shared, local) in zip(self.members, super()._train(state), strict=True):
                 tensors = {n: v.cpu().numpy() for n, v in shared.items()}
@@ -98,11 +99,12 @@ def accuracy_cost(rounds: int, seeds: tuple[int, ...]) -> list[dict[str, Any]]:
                     back = {n: (v * (1 + 2**-24 * noise.standard_normal(v.shape))).astype(v.dtype)
                             if self.manifest.spec(n).trainable else v for n, v in tensors.items()}
                 else:
-                    back = decode_tensors(self.manifest, update_blob(self.manifest, tensors, self.codec), self.codec)
+                    blob = update_blob(self.manifest, tensors, self.codec, base)
+                    back = decode_tensors(self.manifest, blob, self.codec, base)
                 exact.add({n: tensors[n] for n in trainable}, self.data.n_train[j])
                 coded.add({n: back[n] for n in trainable}, self.data.n_train[j])
                 yield {n: torch.from_numpy(back[n]).to(v.device) for n, v in shared.items()}, local
-            previous = {n: state.shared[n].cpu().double().numpy() for n in trainable}
+            previous = {n: base[n].astype(np.float64) for n in trainable}
             self.update_errors.append(update_error(previous, exact.result(np.float64), coded.result(np.float64)))
 
     rows = []

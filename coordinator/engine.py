@@ -146,7 +146,7 @@ class Coordinator:
                                                       saved["partial_weight"], in_partial, dtypes)
         for device, blob_name in saved.get("updates", {}).items():
             self._files.setdefault("updates", {})[device] = blob_name
-            tensors = decode_tensors(self.manifest, self.store.read_bytes(blob_name))
+            tensors = decode_tensors(self.manifest, self.store.read_bytes(blob_name), base=self.model)
             self._aggregator.add(self._prepared(tensors), self.round.folded[device]["n_samples"])
         log.info("resumed from %s: round %d of %d, %d update(s) already accepted, %d device(s) registered",
                  self.store.dir, self.round.number, self.config.rounds, len(self.round.folded), len(self.registered))
@@ -246,7 +246,7 @@ class Coordinator:
             blob = self._reassembler.add(device, chunk)
             if blob is None:
                 return []
-            tensors = decode_tensors(self.manifest, blob.data, meta.codec)
+            tensors = decode_tensors(self.manifest, blob.data, meta.codec, base=self.model)
         except WireError:
             self._remember_rejected(key)
             self._reassembler.discard(device)

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from fedper.algorithms import Phase, get_algorithm
+from fedper.compression import DELTA_CODECS
 from fedper.data import DataError, load_image_folder, load_npz, to_float_nchw
 from fedper.edge.backend import check_artifacts, open_backend
 from fedper.edge.state import DeviceState, Saved, atomic_write
@@ -84,7 +85,7 @@ class AgentConfig:
     tls_ca: str | None = None
     mqtt_version: str = "5"
     chunk_size: int = DEFAULT_CHUNK_SIZE
-    compression: str = "fp32"  # update codec (fedper.compression): fp32, fp16 or int8
+    compression: str = "fp32"  # update codec (fedper.compression): fp32, fp16, int8 or int8-delta
 
 
 @dataclass(frozen=True)
@@ -250,7 +251,8 @@ class Agent:
             raise AgentError(f"the coordinator refused this export: {error.message}")
         if error.code in ("unknown_device", "bad_chunk") and self.saved and error.round == self.saved.round:
             self._announce(self._client)  # register again,
-            self._publish_update(self.saved)  # then resend with a fresh blob id
+            self._sent_round = None  # then send the update again (a fresh blob id) once the round's model is here
+            self._maybe_run_round()
 
     def _maybe_run_round(self) -> None:
         info = self._round
@@ -274,21 +276,24 @@ class Agent:
             if self._sent_round != info.round:
                 self.log(f"round {info.round}: already trained (before a restart or a reconnect), sending the saved "
                          "update again")
-                self._publish_update(self.saved)
+                self._publish_update(self.saved, blob)
             return
         self._load_base(blob)
         self.saved = self.train_round(info.round)
-        self._publish_update(self.saved)
+        self._publish_update(self.saved, blob)
 
     def _load_base(self, blob: bytes) -> None:
         self.backend.load(decode_tensors(self.manifest, blob))
 
-    def _publish_update(self, saved: Saved) -> None:
+    def _publish_update(self, saved: Saved, model_blob: bytes) -> None:
+        """Send `saved`, the update that answers the round whose model is `model_blob` (a delta codec
+        encodes the difference from that model)."""
         meta = UpdateMeta(round=saved.round, n_samples=saved.n_samples, base_digest=saved.base_digest,
                           metrics=saved.metrics, codec=self.config.compression)
         blob_id = f"r{saved.round}-{secrets.token_hex(4)}"
         topic = self.topics.update(self.config.client_id)
-        for frame in update_frames(self.manifest, saved.update, meta, blob_id, self.config.chunk_size):
+        base = decode_tensors(self.manifest, model_blob) if self.config.compression in DELTA_CODECS else None
+        for frame in update_frames(self.manifest, saved.update, meta, blob_id, self.config.chunk_size, base):
             self._client.publish(topic, frame, qos=1)
         self._sent_round = saved.round
 

@@ -10,6 +10,11 @@ Codecs (the name a device announces, the `fedper.codec` entry of the blob's safe
   gives lo + q * scale, within scale / 2 of x. The parameters travel in the safetensors metadata,
   not as extra tensors, so the blob's tensor names stay the manifest's: `fedper.quant` is a JSON
   object {tensor name: [lo, scale]} (numbers as JSON doubles, exact for float32 values).
+- `int8-delta`: `int8` applied to d = x - r, where r is the `reference` both ends hold (on the
+  wire: the model of the round the update answers); decoding gives r + lo + q * scale. The grid
+  then spans the round's change instead of the weights' whole range: `int8` of whole weights
+  costs 8-14 % of a late round's step, since a round moves the weights by less than its grid
+  (docs/performance.md).
 
 Tensors that are not float32 pass through unchanged, and so do the float32 tensors the caller
 names `exact`: the wire keeps BatchNorm running statistics exact, because quantizing a variance
@@ -32,11 +37,14 @@ from safetensors import SafetensorError
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-CODECS = ("fp32", "fp16", "int8")
+CODECS = ("fp32", "fp16", "int8", "int8-delta")
+DELTA_CODECS = ("int8-delta",)  # they encode the difference from a reference both ends hold
+QUANTIZED = ("int8", "int8-delta")
 CODEC_KEY = "fedper.codec"
 QUANT_KEY = "fedper.quant"
 FP16_MAX = float(np.finfo(np.float16).max)
-_STORED = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "int8": np.dtype(np.uint8)}
+_STORED = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "int8": np.dtype(np.uint8),
+           "int8-delta": np.dtype(np.uint8)}
 
 
 class CodecError(ValueError):
@@ -49,11 +57,21 @@ def check_codec(codec: str) -> str:
     return codec
 
 
+def _reference(reference: Mapping[str, np.ndarray] | None, codec: str, name: str, x: np.ndarray) -> np.ndarray:
+    """The reference tensor a delta codec encodes `name` against, checked against `x`'s shape."""
+    if reference is None:
+        raise CodecError(f"codec {codec} encodes the difference from the round's model: it needs that model")
+    if name not in reference or np.shape(reference[name]) != x.shape:
+        raise CodecError(f"{name}: no reference tensor of shape {list(x.shape)} for codec {codec}")
+    return np.asarray(reference[name], dtype=np.float32)
+
+
 def encode(
-    tensors: Mapping[str, np.ndarray], codec: str, exact: Collection[str] = ()
+    tensors: Mapping[str, np.ndarray], codec: str, exact: Collection[str] = (),
+    reference: Mapping[str, np.ndarray] | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """(arrays, safetensors metadata) for `codec`, the `exact` tensors left float32; float32
-    tensors must be finite."""
+    tensors must be finite. Delta codecs encode x - reference[name]."""
     check_codec(codec)
     arrays: dict[str, np.ndarray] = {}
     quant: dict[str, list[float]] = {}
@@ -72,22 +90,28 @@ def encode(
             fits = not x.size or float(np.abs(x).max()) <= FP16_MAX
             arrays[name] = x.astype(np.float16) if fits else x
         else:
+            if codec in DELTA_CODECS:
+                x = x - _reference(reference, codec, name, x)
+                if not np.isfinite(x).all():
+                    raise CodecError(f"{name}: its difference from the reference overflows float32")
             lo, hi = (float(x.min()), float(x.max())) if x.size else (0.0, 0.0)
             scale = (hi - lo) / 255.0
             q = np.zeros(x.shape, np.uint8) if scale == 0 else np.rint((x - lo) / scale).clip(0, 255)
             arrays[name] = q.astype(np.uint8)
             quant[name] = [lo, scale]
     metadata = {CODEC_KEY: codec}
-    if codec == "int8":
+    if codec in QUANTIZED:
         metadata[QUANT_KEY] = json.dumps(quant, separators=(",", ":"))
     return arrays, metadata
 
 
-def decode(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> dict[str, np.ndarray]:
-    """The float32 tensors back; CodecError when the arrays do not match the metadata's codec."""
+def decode(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str],
+           reference: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """The float32 tensors back; CodecError when the arrays do not match the metadata's codec, or a
+    delta codec's `reference` is missing or has another shape."""
     codec = check_codec(metadata.get(CODEC_KEY, ""))
     stored = _STORED[codec]
-    quant = _quant_params(metadata) if codec == "int8" else {}
+    quant = _quant_params(metadata) if codec in QUANTIZED else {}
     out: dict[str, np.ndarray] = {}
     for name, value in arrays.items():
         x = np.asarray(value)
@@ -96,12 +120,13 @@ def decode(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> dic
             continue
         if x.dtype == np.float32 and name not in quant:
             out[name] = x  # sent exact
-        elif x.dtype != stored or (codec == "int8") != (name in quant):
+        elif x.dtype != stored or (codec in QUANTIZED) != (name in quant):
             raise CodecError(f"{name} is {x.dtype}: not what codec {codec} writes, or its parameters are missing")
-        elif codec == "int8":
+        elif codec in QUANTIZED:
             lo, scale = quant[name]
+            base = _reference(reference, codec, name, x).astype(np.float64) if codec in DELTA_CODECS else 0.0
             with np.errstate(over="ignore"):  # a hostile [lo, scale] overflows: refused just below
-                out[name] = (lo + x.astype(np.float64) * scale).astype(np.float32)
+                out[name] = (base + (lo + x.astype(np.float64) * scale)).astype(np.float32)
         else:
             out[name] = x.astype(np.float32)
         if not np.isfinite(out[name]).all():
@@ -134,21 +159,22 @@ def _quant_params(metadata: Mapping[str, str]) -> dict[str, tuple[float, float]]
     return params
 
 
-def pack(tensors: Mapping[str, np.ndarray], codec: str, exact: Collection[str] = ()) -> bytes:
+def pack(tensors: Mapping[str, np.ndarray], codec: str, exact: Collection[str] = (),
+         reference: Mapping[str, np.ndarray] | None = None) -> bytes:
     """One safetensors blob: the encoded arrays with the codec and its parameters in the metadata."""
-    arrays, metadata = encode(tensors, codec, exact)
+    arrays, metadata = encode(tensors, codec, exact, reference)
     return st_save({name: np.ascontiguousarray(a) for name, a in arrays.items()}, metadata=metadata)
 
 
-def unpack(blob: bytes) -> tuple[str, dict[str, np.ndarray]]:
-    """(codec, float32 tensors) of a blob written by `pack`."""
+def unpack(blob: bytes, reference: Mapping[str, np.ndarray] | None = None) -> tuple[str, dict[str, np.ndarray]]:
+    """(codec, float32 tensors) of a blob written by `pack` (with the same `reference` for a delta codec)."""
     blob = bytes(blob)
     try:
         arrays = st_load(blob)
     except (SafetensorError, ValueError, OSError) as e:
         raise CodecError(f"not a valid safetensors blob: {e}") from None
     metadata = _metadata(blob)
-    return check_codec(metadata.get(CODEC_KEY, "")), decode(arrays, metadata)
+    return check_codec(metadata.get(CODEC_KEY, "")), decode(arrays, metadata, reference)
 
 
 def codec_of(blob: bytes) -> str:

@@ -204,7 +204,7 @@ class UpdateMeta(Message):
     n_samples: int
     base_digest: str
     metrics: dict[str, float] = field(default_factory=dict)
-    codec: str = "fp32"  # fedper.compression codec of the blob: fp32, fp16 or int8
+    codec: str = "fp32"  # fedper.compression codec of the blob: fp32, fp16, int8 or int8-delta
     _optional: ClassVar[frozenset[str]] = frozenset({"metrics", "codec"})
 
 
@@ -398,35 +398,39 @@ def model_frames(manifest: Manifest, tensors: Mapping[str, np.ndarray], blob_id:
 
 
 def update_frames(manifest: Manifest, tensors: Mapping[str, np.ndarray], meta: UpdateMeta, blob_id: str,
-                  chunk_size: int = DEFAULT_CHUNK_SIZE) -> list[bytes]:
+                  chunk_size: int = DEFAULT_CHUNK_SIZE, base: Mapping[str, np.ndarray] | None = None) -> list[bytes]:
     """Chunk frames of a device's update (`update_blob`), each chunk carrying `meta`."""
     fields_ = {k: v for k, v in json.loads(meta.encode()).items() if k != "v"}
-    return chunk(update_blob(manifest, tensors, meta.codec), chunk_size, blob_id, fields_)
+    return chunk(update_blob(manifest, tensors, meta.codec, base), chunk_size, blob_id, fields_)
 
 
-def update_blob(manifest: Manifest, tensors: Mapping[str, np.ndarray], codec: str = "fp32") -> bytes:
+def update_blob(manifest: Manifest, tensors: Mapping[str, np.ndarray], codec: str = "fp32",
+                base: Mapping[str, np.ndarray] | None = None) -> bytes:
     """A device's update blob: the shared tensors through `codec`, BatchNorm running statistics
-    (not trainable) always exact. pack_shared runs first in every case: it is what refuses
-    device-local tensors; a compressing codec then re-encodes exactly the tensors it accepted."""
+    (not trainable) always exact; `base` is the round's model, which a delta codec encodes against.
+    pack_shared runs first in every case: it is what refuses device-local tensors; a compressing
+    codec then re-encodes exactly the tensors it accepted."""
     blob = pack_shared(manifest, tensors)
     if codec == "fp32":
         return blob
     shared = manifest.shared_tensors
     return compression.pack({t.name: tensors[t.name] for t in shared}, codec,
-                            exact={t.name for t in shared if not t.trainable})
+                            exact={t.name for t in shared if not t.trainable}, reference=base)
 
 
-def decode_tensors(manifest: Manifest, blob: bytes, codec: str | None = None) -> dict[str, np.ndarray]:
+def decode_tensors(manifest: Manifest, blob: bytes, codec: str | None = None,
+                   base: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """The blob's shared tensors, decompressed when it says so (`fedper.codec` in its metadata) and
     validated against the manifest (layout, dtype, shape, NaN/Inf); any refusal is
-    WireError("bad_tensors"). `codec`, when given, is what the sender announced: it must match."""
+    WireError("bad_tensors"). `codec`, when given, is what the sender announced: it must match.
+    `base`: the round's model, for an update whose codec encodes the difference from it."""
     try:
         blob_codec = compression.codec_of(blob)
         if codec is not None and codec != blob_codec:
             raise WireError("bad_tensors", f"the update announces codec {codec!r}, its blob is {blob_codec!r}")
         if blob_codec == "fp32":
             return unpack_shared(manifest, blob)
-        _, tensors = compression.unpack(blob)
+        _, tensors = compression.unpack(blob, base)
         check_shared(manifest, tensors, what="unpack")
         return {t.name: tensors[t.name] for t in manifest.shared_tensors}
     except (TensorError, compression.CodecError) as e:

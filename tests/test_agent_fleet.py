@@ -23,6 +23,7 @@ from fedper.data import load_digits
 from fedper.edge.agent import Agent, AgentConfig, load_local_data
 from fedper.edge.backend import check_artifacts, open_backend
 from fedper.edge.state import DeviceState
+from fedper.wire import decode_tensors, update_blob
 
 pytestmark = pytest.mark.mosquitto
 CLASSES = ("0", "1", "2", "3")
@@ -51,9 +52,9 @@ def device_data(tmp_path: Path) -> list[Path]:
     return paths
 
 
-def reference_base(artifacts: Path, data: list[Path], tmp_path: Path) -> dict[str, np.ndarray]:
+def reference_base(artifacts: Path, data: list[Path], tmp_path: Path, codec: str = "fp32") -> dict[str, np.ndarray]:
     """FedPer by hand: each round, every device loads the base + its own head, trains, and the base
-    is the n_j-weighted mean of the devices' shared tensors."""
+    is the n_j-weighted mean of the devices' shared tensors (as they come out of `codec`)."""
     manifest = check_artifacts(artifacts)
     backend = open_backend("ort", artifacts, manifest)
     shared_names, local_names = manifest.names(shared=True), manifest.names(shared=False)
@@ -66,7 +67,8 @@ def reference_base(artifacts: Path, data: list[Path], tmp_path: Path) -> dict[st
             backend.load(base)
             backend.load(heads[j])
             backend.train("all", d.x_train, d.y_train, epochs=1, batch_size=BATCH, lr=LR, seed=(SEED, round_, 0))
-            mean.add(backend.read(shared_names), len(d.y_train))
+            sent = update_blob(manifest, backend.read(shared_names), codec, base)
+            mean.add(decode_tensors(manifest, sent, codec, base), len(d.y_train))
             heads[j] = backend.read(local_names)
         base = mean.result()
     return base
@@ -81,9 +83,11 @@ def start_coordinator(artifacts: Path, broker_url: str, state_dir: Path, fleet: 
     )
 
 
-def agent_config(artifacts: Path, data: Path, broker_url: str, fleet: str, j: int, tmp_path: Path) -> AgentConfig:
+def agent_config(artifacts: Path, data: Path, broker_url: str, fleet: str, j: int, tmp_path: Path,
+                 compression: str = "fp32") -> AgentConfig:
     return AgentConfig(artifacts=artifacts, data=data, broker=broker_url, fleet=fleet, client_id=f"dev{j}",
-                       state_dir=tmp_path / f"state{j}", batch_size=BATCH, lr=LR, seed=SEED, backend="ort")
+                       state_dir=tmp_path / f"state{j}", batch_size=BATCH, lr=LR, seed=SEED, backend="ort",
+                       compression=compression)
 
 
 def run_fleet(coordinator: subprocess.Popen, agents: list[Agent], logs: list[str]) -> None:
@@ -103,17 +107,22 @@ def run_fleet(coordinator: subprocess.Popen, agents: list[Agent], logs: list[str
         coordinator.kill()
 
 
-def test_two_agents_two_rounds_match_an_independent_computation(tmp_path: Path, artifacts: Path, mosquitto) -> None:
+@pytest.mark.parametrize("compression", ["fp32", "int8-delta"])
+def test_two_agents_two_rounds_match_an_independent_computation(tmp_path: Path, artifacts: Path, mosquitto,
+                                                                compression: str) -> None:
+    """The agents' FedPer through a real coordinator is the computation by hand, codec included
+    (int8-delta: each update quantized on the grid of its change from the round's model, which the
+    agents, the coordinator and the hand computation must all agree on)."""
     data = device_data(tmp_path)
     coordinator_dir = tmp_path / "coordinator"
     coordinator = start_coordinator(artifacts, mosquitto.url, coordinator_dir, "parity")
     logs: list[str] = []
-    agents = [Agent(agent_config(artifacts, path, mosquitto.url, "parity", j, tmp_path), log=logs.append)
+    agents = [Agent(agent_config(artifacts, path, mosquitto.url, "parity", j, tmp_path, compression), log=logs.append)
               for j, path in enumerate(data)]
     run_fleet(coordinator, agents, logs)
 
     final = load_file(str(coordinator_dir / "final.safetensors"))
-    expected = reference_base(artifacts, data, tmp_path)
+    expected = reference_base(artifacts, data, tmp_path, compression)
     assert set(final) == set(expected)
     gaps = {n: float(np.linalg.norm(final[n] - expected[n]) / max(np.linalg.norm(expected[n]), 1e-12)) for n in final}
     assert max(gaps.values()) < 1e-4, sorted(gaps.items(), key=lambda kv: -kv[1])[:3]

@@ -59,10 +59,38 @@ def test_int8_error_is_within_half_a_step(tensors):
 def test_blob_sizes_shrink_and_integers_pass_through():
     rng = np.random.default_rng(0)
     tensors = {"w": rng.standard_normal((64, 64)).astype(np.float32), "steps": np.arange(3, dtype=np.int64)}
-    sizes = {codec: len(pack(tensors, codec)) for codec in CODECS}
+    sizes = {codec: len(pack(tensors, codec, reference=tensors)) for codec in CODECS}
     assert sizes["fp16"] < 0.55 * sizes["fp32"] and sizes["int8"] < 0.3 * sizes["fp32"]
+    assert sizes["int8-delta"] < 0.3 * sizes["fp32"]
     for codec in CODECS:
-        np.testing.assert_array_equal(unpack(pack(tensors, codec))[1]["steps"], tensors["steps"])
+        back = unpack(pack(tensors, codec, reference=tensors), tensors)[1]
+        np.testing.assert_array_equal(back["steps"], tensors["steps"])
+
+
+def test_int8_delta_puts_its_grid_on_the_change_not_on_the_weights():
+    """A round moves weights by ~1e-3 of their range: int8 of whole weights errs by about that much,
+    int8-delta by half a step of the change's own grid, and it needs the same reference to decode."""
+    rng = np.random.default_rng(0)
+    base = {"w": (0.1 * rng.standard_normal((64, 64))).astype(np.float32)}
+    update = {"w": (base["w"] + 1e-4 * rng.standard_normal((64, 64))).astype(np.float32)}
+    change = update["w"].astype(np.float64) - base["w"]
+    plain = unpack(pack(update, "int8"))[1]["w"]
+    codec, back = unpack(pack(update, "int8-delta", reference=base), base)
+    delta = back["w"]
+    assert codec == "int8-delta"
+    scale = json.loads(encode(update, "int8-delta", reference=base)[1][QUANT_KEY])["w"][1]
+    assert scale <= (change.max() - change.min()) / 255 * (1 + 1e-6)
+    delta_error = np.abs(delta.astype(np.float64) - update["w"]).max()
+    assert delta_error <= scale / 2 + 2 * np.spacing(np.float32(np.abs(update["w"]).max()))
+    assert delta_error < np.abs(plain.astype(np.float64) - update["w"]).max() / 20
+    with pytest.raises(CodecError, match="needs that model"):
+        encode(update, "int8-delta")
+    blob = pack(update, "int8-delta", reference=base)
+    with pytest.raises(CodecError, match="needs that model"):
+        unpack(blob)
+    for wrong in ({"v": base["w"]}, {"w": base["w"][:3]}):
+        with pytest.raises(CodecError, match="no reference tensor"):
+            unpack(blob, wrong)
 
 
 @pytest.mark.parametrize("codec", ["fp16", "int8"])

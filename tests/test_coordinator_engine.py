@@ -28,10 +28,10 @@ def register(c: Coordinator, device: str, n: int, digest: str = MANIFEST.base_di
 
 
 def send(c: Coordinator, device: str, tensors: dict, n: int, round_: int | None = None, blob_id: str = "u",
-         digest: str = MANIFEST.base_digest, now: float = 1.0) -> list:
-    meta = UpdateMeta(c.round.number if round_ is None else round_, n, digest, {"accuracy": n / 100})
+         digest: str = MANIFEST.base_digest, now: float = 1.0, codec: str = "fp32") -> list:
+    meta = UpdateMeta(c.round.number if round_ is None else round_, n, digest, {"accuracy": n / 100}, codec)
     out = []
-    for frame in update_frames(MANIFEST, tensors, meta, blob_id, chunk_size=40):
+    for frame in update_frames(MANIFEST, tensors, meta, blob_id, chunk_size=40, base=c.model):
         out += c.handle(TOPICS.update(device), frame, now)
     return out
 
@@ -119,6 +119,25 @@ def test_bad_updates_are_counted_answered_and_never_aggregated(tmp_path: Path, c
             np.testing.assert_array_equal(c.model[k], before[k])
     state = json.loads(c.state_message(101.0).payload)
     assert state["counters"][code] == 1
+
+
+def test_int8_delta_updates_are_decoded_against_the_rounds_model_also_after_a_restart(tmp_path: Path) -> None:
+    """The coordinator decodes an int8-delta update against the model of the open round, the one
+    the device trained from; a restart re-reads the checkpointed blob against the same model."""
+    c = make(tmp_path)
+    c.start(0.0)
+    register(c, "a", 10)
+    register(c, "b", 30)
+    assert send(c, "a", shifted(1e-3), 10, codec="int8-delta") == []
+    del c  # killed with a's update checkpointed as its blob
+    c = make(tmp_path)
+    c.start(5.0)
+    send(c, "b", shifted(3e-3), 30, now=6.0, codec="int8-delta")
+    c.tick(7.0)
+    assert c.round.number == 2 and c.counters["accepted"] == 2
+    for name, value in tiny_tensors().items():
+        expected = value + np.float32((10 * 1e-3 + 30 * 3e-3) / 40)
+        np.testing.assert_allclose(c.model[name], expected, rtol=1e-6, atol=1e-6, err_msg=name)
 
 
 def test_registration_digest_mismatch_is_answered(tmp_path: Path) -> None:

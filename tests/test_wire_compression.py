@@ -60,6 +60,26 @@ def test_compressed_updates_still_refuse_device_local_tensors(fleet, codec) -> N
         update_frames(manifest, state, meta, "r1-x")
 
 
+def test_int8_delta_updates_decode_against_the_rounds_model(fleet) -> None:
+    """A device encodes its change from the round's model; the coordinator, holding that model,
+    gets the update back within half a step of the change's grid. Without it: bad_tensors."""
+    manifest, _, shared = fleet
+    rng = np.random.default_rng(1)
+    trained = {n: (v + 1e-3 * rng.standard_normal(v.shape)).astype(v.dtype) if v.dtype == np.float32 else v
+               for n, v in shared.items()}
+    meta = UpdateMeta(round=1, n_samples=10, base_digest=manifest.base_digest, codec="int8-delta")
+    r = Reassembler(1 << 24)
+    for frame in update_frames(manifest, trained, meta, "r1-delta", chunk_size=32 * 1024, base=shared):
+        blob = r.add("dev", frame)
+    decoded = decode_tensors(manifest, blob.data, "int8-delta", base=shared)
+    for name, value in trained.items():
+        change = np.abs(value.astype(np.float64) - shared[name]).max()
+        assert np.abs(decoded[name].astype(np.float64) - value).max() <= change / 255 + 1e-6, name
+    with pytest.raises(WireError) as refused:
+        decode_tensors(manifest, blob.data, "int8-delta")
+    assert refused.value.code == "bad_tensors"
+
+
 def test_a_codec_that_does_not_match_the_blob_is_refused(fleet) -> None:
     manifest, _, shared = fleet
     blob, _ = send(manifest, shared, "int8")
