@@ -140,10 +140,11 @@ class Coordinator:
         self.round = _Round(r["number"], r["folded"], r["bytes_received"], r["extensions"], Counter(r["rejected"]))
         if saved.get("partial"):
             self._files["partial"] = saved["partial"]
-            in_partial = len(self.round.folded) - len(saved.get("updates", {}))
+            blobs = saved.get("updates", {})  # the partial sum holds the folded updates not kept as blobs
+            in_partial = [d["n_samples"] for device, d in self.round.folded.items() if device not in blobs]
             dtypes = {t.name: t.dtype for t in self.manifest.shared_tensors}
             self._aggregator = WeightedMean.from_sums(self.store.read_tensors(saved["partial"]),
-                                                      saved["partial_weight"], in_partial, dtypes)
+                                                      float(sum(in_partial)), len(in_partial), dtypes)
         for device, blob_name in saved.get("updates", {}).items():
             self._files.setdefault("updates", {})[device] = blob_name
             tensors = decode_tensors(self.manifest, self.store.read_bytes(blob_name), base=self.model)
@@ -344,7 +345,6 @@ class Coordinator:
                       "extensions": r.extensions, "rejected": dict(r.rejected)},
             "model": self._files["model"],
             "partial": self._files.get("partial"),
-            "partial_weight": self._partial_weight(),
             "updates": self._files.get("updates", {}),
             "registered": self.registered,
             "counters": dict(self.counters),
@@ -352,13 +352,6 @@ class Coordinator:
             "base_digest": self.digest,
         })
         self._state_dirty = True
-
-    def _partial_weight(self) -> float:
-        """Σ n_j of the updates the partial sum holds: those folded and not kept as blobs."""
-        if not self._files.get("partial"):
-            return 0.0
-        blobs = self._files.get("updates", {})
-        return float(sum(d["n_samples"] for device, d in self.round.folded.items() if device not in blobs))
 
     # ------------------------------------------------------------ outgoing
 
