@@ -15,13 +15,14 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The tests run a real Mosquitto; install it when missing and we may (root), else its tests skip with a reason.
+# mosquitto-clients gives the third-party mosquitto_pub/mosquitto_sub that the attack tests publish with.
 mosquitto:
-	@if command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ]; then :; \
+	@if { command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ]; } && command -v mosquitto_pub >/dev/null; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		echo "installing mosquitto (Debian package) for the broker tests"; \
-		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto >/dev/null) \
+		echo "installing mosquitto and mosquitto-clients (Debian packages) for the broker tests"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto mosquitto-clients >/dev/null) \
 		|| echo "could not install mosquitto: its tests will be skipped"; \
-	else echo "mosquitto is missing and we are not root: the Mosquitto tests will be skipped"; fi
+	else echo "mosquitto or mosquitto-clients is missing and we are not root: the Mosquitto tests will be skipped"; fi
 
 demo: install
 	$(BIN)/fedper demo
