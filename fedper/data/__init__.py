@@ -1,5 +1,6 @@
 """Data for FedPer: loaders to uint8 NHWC arrays, and seeded per-device partitions."""
 
+from fedper.data.errors import DataError
 from fedper.data.partition import (
     assign_test_by_classes,
     split_dirichlet,
@@ -9,7 +10,6 @@ from fedper.data.partition import (
 )
 from fedper.data.sources import (
     ArrayDataset,
-    DataError,
     DataSplits,
     load_cifar,
     load_digits,

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fedper.data.sources import DataError
+from fedper.data.errors import DataError
 
 # Dirichlet resampling gives up after this many draws rather than loop forever on an infeasible min_size.
 DIRICHLET_TRIES = 1000

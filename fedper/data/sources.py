@@ -13,6 +13,9 @@ from typing import Literal
 import numpy as np
 from PIL import Image
 
+from fedper.data.errors import DataError
+from fedper.data.partition import split_train_test
+
 # Files with other suffixes in a class folder (README, .DS_Store, ...) are ignored, not errors.
 IMAGE_EXTENSIONS = frozenset(
     {".bmp", ".gif", ".jpeg", ".jpg", ".pgm", ".png", ".ppm", ".tif", ".tiff", ".webp"}
@@ -20,10 +23,6 @@ IMAGE_EXTENSIONS = frozenset(
 FLICKR_CSV = "FLICKR-AES_image_labeled_by_each_worker.csv"
 FLICKR_IMAGES = "40K"
 FLICKR_CLASSES = ["1", "2", "3", "4", "5"]
-
-
-class DataError(ValueError):
-    """Bad input data (missing file or key, wrong shape, impossible split); the message names the culprit."""
 
 
 @dataclass
@@ -299,8 +298,6 @@ def load_flickr_aes(
     """FLICKR-AES as the paper uses it: one device per worker who rated min..max images, n_workers
     of them drawn at random (seeded), labels score-1 in 5 classes, an 80/20 split per worker
     (stratified as far as the counts allow). Workers come back in worker-id order."""
-    from fedper.data.partition import split_train_test  # partition imports DataError from here
-
     root = Path(root)
     csv_path = root / FLICKR_CSV
     if not csv_path.is_file():
