@@ -1,46 +1,32 @@
 """The umbrella `fedper` command: every role's commands under one name.
 
-It sits above the roles (the shared kernel imports none of them). Each role's own console script
-(fedper-export, fedper-agent, fedper-coordinator, fedper-emulate) runs the same typer app.
+It sits above the roles (the shared kernel imports none of them) and is the only module that
+imports them all. Each role's own console script (fedper-export, fedper-agent, fedper-coordinator,
+fedper-emulate) runs the same typer app that is registered here.
 """
 
 from __future__ import annotations
 
-import importlib
-
 import typer
 
 from fedper.cli.demo import demo
+from fedper.coordinator.cli import app as coordinator_app
+from fedper.edge.cli import app as agent_app
+from fedper.emulate.cli import app as emulate_app
+from fedper.export.cli import app as export_app
 
 app = typer.Typer(
     help="FedPer edge toolkit: federated learning with personalization layers, from the paper to devices.",
     no_args_is_help=True,
 )
-
-ROLES = {
-    "export": "Build ONNX Runtime on-device training artifacts and their manifest.",
-    "agent": "Run a device: train locally with onnxruntime-training, send base parameters only.",
-    "coordinator": "Run the MQTT coordinator: rounds, aggregation of base updates, checkpoints.",
-    "emulate": "Run an emulated fleet for the paper's experiments and figures.",
-}
-MODULES = {"export": "export", "agent": "edge", "coordinator": "coordinator", "emulate": "emulate"}
-
-
-def _not_built(name: str, what: str) -> None:
-    @app.command(name, help=f"{what} [not built yet]", context_settings={"ignore_unknown_options": True})
-    def placeholder(args: list[str] = typer.Argument(None, hidden=True)) -> None:
-        typer.echo(f"fedper {name}: not built yet in this version of the toolkit.", err=True)
-        raise typer.Exit(2)
-
-
-for _name, _what in ROLES.items():
-    try:
-        _role = importlib.import_module(f"fedper.{MODULES[_name]}.cli")
-    except ModuleNotFoundError as _e:
-        if _e.name != f"fedper.{MODULES[_name]}.cli":
-            raise
-        _not_built(_name, _what)
-    else:
-        app.add_typer(_role.app, name=_name, help=_what)
-
+app.add_typer(export_app, name="export", help="Build ONNX Runtime on-device training artifacts and their manifest.")
+app.add_typer(
+    agent_app, name="agent", help="Run a device: train locally with onnxruntime-training, send base parameters only."
+)
+app.add_typer(
+    coordinator_app,
+    name="coordinator",
+    help="Run the MQTT coordinator: rounds, aggregation of base updates, checkpoints.",
+)
+app.add_typer(emulate_app, name="emulate", help="Run an emulated fleet for the paper's experiments and figures.")
 app.command("demo", help="Run the whole system on one machine: export, broker, coordinator, agents.")(demo)

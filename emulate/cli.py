@@ -66,10 +66,16 @@ def run(
         if kp is None:
             kp = 0 if get_algorithm(algorithm).requires_kp0 else 2
         config = RunConfig(
-            data=DataConfig(dataset, str(data) if data else None, clients or PAPER_CLIENTS.get(dataset, 10),
-                            classes_per_client, partition, shards, alpha, input_size, scale, seed),
-            fleet=FleetConfig(model, width, algorithm, kp, local_epochs, batch_size or PAPER_BATCH.get(dataset, 128),
-                              lr, momentum, seed, eval_finetune_epochs, eval_finetune, engine),
+            data=DataConfig(
+                dataset=dataset, data=str(data) if data else None, clients=clients or PAPER_CLIENTS.get(dataset, 10),
+                classes_per_client=classes_per_client, partition=partition, shards=shards, alpha=alpha,
+                input_size=input_size, scale=scale, seed=seed,
+            ),
+            fleet=FleetConfig(
+                model=model, width=width, algorithm=algorithm, kp=kp, local_epochs=local_epochs,
+                batch_size=batch_size or PAPER_BATCH.get(dataset, 128), lr=lr, momentum=momentum, seed=seed,
+                eval_finetune_epochs=eval_finetune_epochs, eval_finetune=eval_finetune, engine=engine,
+            ),
             rounds=max(1, round(rounds * scale)),
             device=device,
         )

@@ -111,7 +111,10 @@ def make_figure(
         if "batch_size" not in (fleet_overrides or {}):
             batch = PAPER_BATCH.get(chosen, batch)
         cdata = replace(curve.data, dataset=chosen, data=str(data) if data else None, clients=clients)
-        config = RunConfig(cdata, replace(curve.fleet, batch_size=batch), max(1, round(rounds * scale)), device)
+        config = RunConfig(
+            data=cdata, fleet=replace(curve.fleet, batch_size=batch), rounds=max(1, round(rounds * scale)),
+            device=device,
+        )
         f = curve.fleet
         run_dir = out / f"{i:02d}-{f.model}-{f.algorithm}-k{cdata.classes_per_client}-kp{f.kp}"
         if not _finished(run_dir, config):
