@@ -1,4 +1,8 @@
-"""Shared fixtures: a real Mosquitto broker on a free loopback port, started per test."""
+"""Shared fixtures: a real Mosquitto broker on a free loopback port (per test), tiny real exports
+(each exported once per session), subprocess groups and a small file system to fill.
+
+Helpers that tests call live in tests/helpers/ (processes, MQTT recording, scripted devices).
+"""
 
 from __future__ import annotations
 
@@ -11,12 +15,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from helpers.processes import Processes
 
 MOSQUITTO = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
 SKIP_REASON = "mosquitto not installed (apt-get install mosquitto)"
 
 
 def free_port() -> int:
+    """A loopback TCP port nothing listens on now (the OS picks it; free until someone binds it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -96,3 +102,56 @@ def mosquitto_factory(tmp_path: Path) -> Iterator[Callable[..., Broker]]:
 def mosquitto(mosquitto_factory: Callable[..., Broker]) -> Broker:
     """A plain anonymous Mosquitto on a free 127.0.0.1 port."""
     return mosquitto_factory()
+
+
+TinyExport = Callable[..., Path]
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tmp_path_factory: pytest.TempPathFactory) -> TinyExport:
+    """tiny_export(kp=1, algorithm="fedper", ...) -> a real export directory (classes "0".."n-1"), MobileNet-v1
+    x0.25 at 32x32 with 4 classes unless told otherwise. Each distinct set of parameters is exported once per
+    session and shared by every test that asks for it: treat the directory as read-only."""
+    exports: dict[tuple[object, ...], Path] = {}
+
+    def export(*, model: str = "mobilenet_v1", kp: int = 1, algorithm: str = "fedper", num_classes: int = 4,
+               input_size: int = 32, width: float = 0.25, ort_format: bool = False) -> Path:
+        key = (model, kp, algorithm, num_classes, input_size, width, ort_format)
+        if key not in exports:
+            from fedper.export.exporter import export_artifacts
+
+            out = tmp_path_factory.mktemp("tiny-export") / "export"
+            export_artifacts(out, model=model, kp=kp, algorithm=algorithm, num_classes=num_classes,
+                             input_size=input_size, width=width, ort_format=ort_format,
+                             classes=tuple(str(c) for c in range(num_classes)))
+            exports[key] = out
+        return exports[key]
+
+    return export
+
+
+@pytest.fixture(scope="session")
+def tiny_artifacts(tiny_export: TinyExport) -> Path:
+    """The fleet tests' export: MobileNet-v1 x0.25, 32x32, classes "0".."3", FedPer K_P=1."""
+    return tiny_export()
+
+
+@pytest.fixture
+def processes(tmp_path: Path) -> Iterator[Processes]:
+    """Subprocesses started by the test, logging into tmp_path; all SIGKILLed at teardown."""
+    group = Processes(tmp_path)
+    yield group
+    group.kill_all()
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs mounted for this test (root only): a disk that can really be filled."""
+    mount = tmp_path / "small-fs"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)

@@ -31,13 +31,8 @@ ROUNDS, BATCH, LR, SEED = 2, 16, 0.02, 7
 
 
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from fedper.export.exporter import export_artifacts
-
-    out = tmp_path_factory.mktemp("fleet") / "export"
-    export_artifacts(out, model="mobilenet_v1", kp=1, num_classes=4, input_size=32, width=0.25,
-                     algorithm="fedper", classes=CLASSES)
-    return out
+def artifacts(tiny_artifacts: Path) -> Path:
+    return tiny_artifacts
 
 
 def device_data(tmp_path: Path) -> list[Path]:

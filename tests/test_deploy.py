@@ -16,21 +16,15 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
+from conftest import MOSQUITTO, free_port
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
-MOSQUITTO = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
 pytestmark = [
     pytest.mark.mosquitto,
     pytest.mark.skipif(MOSQUITTO is None, reason="mosquitto not installed (apt-get install mosquitto)"),
     pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed"),
 ]
 FLEET = "fedper/v1/lab"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_tls(folder: Path) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import TinyExport
 from PIL import Image
 
 from fedper.batches import epoch_batches
@@ -28,13 +29,8 @@ CLASSES = ("0", "1", "2", "3")
 
 
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from fedper.export.exporter import export_artifacts
-
-    out = tmp_path_factory.mktemp("edge") / "export"
-    export_artifacts(out, model="mobilenet_v1", kp=2, num_classes=4, input_size=32, width=0.25,
-                     algorithm="fedper-ft", classes=CLASSES)
-    return out
+def artifacts(tiny_export: TinyExport) -> Path:
+    return tiny_export(kp=2, algorithm="fedper-ft")
 
 
 @pytest.fixture(scope="module")

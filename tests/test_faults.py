@@ -13,20 +13,19 @@ import threading
 import time
 from pathlib import Path
 
-import fleet_helpers
 import numpy as np
 import pytest
-from fleet_helpers import (
+from helpers.disk import fill
+from helpers.processes import (
     Processes,
-    Recorder,
     agent_args,
     coordinator_args,
-    fill,
     finish,
     kill9,
     saved_state,
     write_device_data,
 )
+from helpers.recording import Recorder
 from safetensors.numpy import load_file
 from test_coordinator_live import (
     FLEET,
@@ -45,7 +44,6 @@ from fedper.manifest import Manifest
 from fedper.wire import decode_chunk, decode_tensors
 
 pytestmark = pytest.mark.mosquitto
-processes, small_fs, tiny_artifacts = fleet_helpers.processes, fleet_helpers.small_fs, fleet_helpers.tiny_artifacts
 
 
 def agent_round(state_dir: Path, manifest: Manifest) -> int | None:

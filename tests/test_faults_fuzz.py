@@ -16,10 +16,10 @@ import zlib
 from collections import Counter
 from pathlib import Path
 
-import fleet_helpers
 import numpy as np
 import pytest
-from fleet_helpers import Processes, Recorder, coordinator_args, finish, saved_state
+from helpers.processes import Processes, coordinator_args, finish, saved_state
+from helpers.recording import Recorder
 from safetensors.numpy import save
 from test_coordinator_live import (
     FLEET,
@@ -37,7 +37,6 @@ from fedper.manifest import Manifest
 from fedper.wire import Register, UpdateMeta, chunk, decode_frame, decode_tensors, encode_frame, update_frames
 
 pytestmark = pytest.mark.mosquitto
-processes = fleet_helpers.processes
 FUZZ_SECONDS = 6.0
 MAX_IN_FLIGHT = 200  # unanswered fuzz messages: stays under Mosquitto's per-client queue (1000)
 EVIL = "fuzz"

@@ -12,14 +12,13 @@ import multiprocessing
 import time
 from pathlib import Path
 
-import fleet_helpers
 import pytest
-from fleet_helpers import Processes, coordinator_args, expected_mean, scripted_devices, watch_peak_rss
+from helpers.processes import Processes, coordinator_args, watch_peak_rss
+from helpers.scripted import expected_mean, scripted_devices
 from test_coordinator_live import assert_model, metrics, write_artifacts
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
 pytestmark = pytest.mark.mosquitto
-processes = fleet_helpers.processes
 ROUNDS, WORKERS = 3, 4
 
 

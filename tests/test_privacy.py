@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-import fleet_helpers
 import numpy as np
 import pytest
-from fleet_helpers import Processes, Recorder, agent_args, coordinator_args, finish, write_device_data
+from helpers.processes import Processes, agent_args, coordinator_args, finish, write_device_data
+from helpers.recording import Recorder
 from safetensors.numpy import load_file
 
 from fedper.data import load_npz, to_float_nchw
@@ -24,7 +24,6 @@ from fedper.manifest import Manifest
 from fedper.wire import WireError, decode_chunk
 
 pytestmark = pytest.mark.mosquitto
-processes, tiny_artifacts = fleet_helpers.processes, fleet_helpers.tiny_artifacts
 WINDOW = 16
 
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from fleet_helpers import Recorder
+from helpers.recording import Recorder
 from test_coordinator_live import TOPICS, Device, assert_model, expected_model, wait_for
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
