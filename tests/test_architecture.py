@@ -1,0 +1,173 @@
+"""The import rules of docs/architecture.md, checked on the source: every module's imports are read
+with `ast` (nothing is imported, so lazy imports inside functions and TYPE_CHECKING blocks count too).
+
+- the kernel `fedper` (folder fedper/) imports no role;
+- `fedper.models` imports only the kernel;
+- `fedper.export` and `fedper.emulate` import only the kernel and `fedper.models`;
+- `fedper.edge` and `fedper.coordinator` import only the kernel, never each other;
+- only the umbrella CLI `fedper.cli` (folder cli/) may import every role.
+
+Folders map to packages through pyproject.toml's [tool.setuptools.package-dir].
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+from collections.abc import Set
+from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNEL = "fedper"
+ROLES = ("fedper.models", "fedper.export", "fedper.edge", "fedper.coordinator", "fedper.emulate", "fedper.cli")
+ALLOWED = {
+    KERNEL: {KERNEL},
+    "fedper.models": {KERNEL, "fedper.models"},
+    "fedper.export": {KERNEL, "fedper.models", "fedper.export"},
+    "fedper.emulate": {KERNEL, "fedper.models", "fedper.emulate"},
+    "fedper.edge": {KERNEL, "fedper.edge"},
+    "fedper.coordinator": {KERNEL, "fedper.coordinator"},
+    "fedper.cli": {KERNEL, *ROLES},
+}
+# (module, layer it may import although its own layer may not), each one documented in
+# docs/architecture.md: the agent's optional PyTorch backend builds the network from the manifest
+# with fedper.models, lazily, so that a device training with ORT never loads it.
+EXCEPTIONS = {("fedper.edge.torch_backend", "fedper.models")}
+
+
+def layer(module: str) -> str | None:
+    """The layer a dotted module name belongs to; None for anything outside the `fedper` namespace."""
+    if module != KERNEL and not module.startswith(KERNEL + "."):
+        return None
+    return next((role for role in ROLES if module == role or module.startswith(role + ".")), KERNEL)
+
+
+def package_dirs(root: Path) -> dict[str, Path]:
+    """Package name -> folder, as the wheel installs them."""
+    with (root / "pyproject.toml").open("rb") as f:
+        mapping = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
+    return {package: root / folder for package, folder in mapping.items()}
+
+
+def modules(root: Path) -> dict[str, Path]:
+    """Every installed module's dotted name -> its source file."""
+    found: dict[str, Path] = {}
+    for package, folder in package_dirs(root).items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = path.relative_to(folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join((package, *parts))] = path
+    return found
+
+
+def imported_names(module: str, path: Path) -> list[tuple[str, int]]:
+    """(dotted name, line) for every import in the file, relative imports resolved.
+
+    `from a.b import c` yields a.b.c, which is the module a.b.c when c is one and otherwise lies
+    in the same layer as a.b, so that `from fedper import models` counts as importing fedper.models."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    names: list[tuple[str, int]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, *([node.module] if node.module else [])])
+            else:
+                base = node.module or ""
+            names += [(base if alias.name == "*" else f"{base}.{alias.name}", node.lineno) for alias in node.names]
+    return names
+
+
+def violations(root: Path, exceptions: Set[tuple[str, str]] = frozenset()) -> list[str]:
+    """One line per import that breaks a rule: file:line, the importing module and what it imports."""
+    broken = []
+    for module, path in modules(root).items():
+        own = layer(module)
+        for name, line in imported_names(module, path):
+            target = layer(name)
+            if target is None or target in ALLOWED[own] or (module, target) in exceptions:
+                continue
+            broken.append(f"{path.relative_to(root)}:{line}: {module} ({own}) imports {name} ({target})")
+    return broken
+
+
+def test_every_layer_is_a_folder_of_the_wheel() -> None:
+    found = modules(ROOT)
+    assert set(package_dirs(ROOT)) >= {KERNEL, *ROLES}
+    for name in (KERNEL, *ROLES):
+        assert any(layer(m) == name for m in found), f"no module of {name} found"
+
+
+def test_the_tree_keeps_the_import_rules() -> None:
+    assert violations(ROOT, EXCEPTIONS) == []
+
+
+def test_every_exception_is_still_needed() -> None:
+    """An exception the code no longer needs is removed here and in docs/architecture.md."""
+    found = modules(ROOT)
+    for module, target in EXCEPTIONS:
+        assert module in found, f"{module} no longer exists"
+        assert any(layer(n) == target for n, _ in imported_names(module, found[module])), (module, target)
+
+
+PYPROJECT = """
+[tool.setuptools.package-dir]
+"fedper" = "fedper"
+"fedper.cli" = "cli"
+"fedper.models" = "models"
+"fedper.export" = "export"
+"fedper.edge" = "edge"
+"fedper.coordinator" = "coordinator"
+"fedper.emulate" = "emulate"
+"""
+
+
+@pytest.mark.parametrize(
+    ("file", "source", "broken"),
+    [
+        ("fedper/wire.py", "from fedper.edge import engine\n", "fedper.wire (fedper) imports fedper.edge.engine"),
+        ("fedper/data/x.py", "from fedper import models\n", "fedper.data.x (fedper) imports fedper.models"),
+        ("fedper/x.py", "import fedper.cli\n", "imports fedper.cli (fedper.cli)"),
+        ("models/x.py", "from fedper.export.cli import app\n", "imports fedper.export.cli.app (fedper.export)"),
+        ("export/x.py", "from fedper.emulate import fleet\n", "imports fedper.emulate.fleet (fedper.emulate)"),
+        ("emulate/x.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fedper.edge.engine import E\n",
+         "emulate/x.py:3: fedper.emulate.x (fedper.emulate) imports fedper.edge.engine.E (fedper.edge)"),
+        ("edge/x.py", "def f():\n    from fedper.coordinator.engine import Coordinator\n",
+         "edge/x.py:2: fedper.edge.x (fedper.edge) imports fedper.coordinator.engine.Coordinator"),
+        ("coordinator/x.py", "from ..edge import service\n", "imports fedper.edge.service (fedper.edge)"),
+        ("coordinator/sub/__init__.py", "from ...models import split\n", "imports fedper.models.split"),
+        ("edge/x.py", "import numpy\nfrom fedper.manifest import Manifest\nfrom . import state\n", None),
+        ("export/x.py", "from fedper.models import build_model\nfrom .graph import rewrite\n", None),
+        ("emulate/x.py", "from fedper.models.split import split\nfrom fedper.data import load_digits\n", None),
+        ("cli/x.py", "".join(f"import {role}\n" for role in ROLES), None),
+    ],
+)
+def test_checker_on_synthetic_sources(tmp_path: Path, file: str, source: str, broken: str | None) -> None:
+    (tmp_path / "pyproject.toml").write_text(PYPROJECT)
+    path = tmp_path / file
+    path.parent.mkdir(parents=True)
+    path.write_text(source)
+    found = violations(tmp_path)
+    if broken is None:
+        assert found == []
+    else:
+        assert len(found) == 1 and broken in found[0], found
+
+
+def test_checker_finds_a_broken_rule_in_a_copy_of_the_tree(tmp_path: Path) -> None:
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    for folder in {path.relative_to(ROOT).parts[0] for path in package_dirs(ROOT).values()}:
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    assert violations(tmp_path, EXCEPTIONS) == []
+    edge_cli = tmp_path / "edge" / "cli.py"
+    edge_cli.write_text(edge_cli.read_text() + "\nfrom fedper.coordinator.engine import Coordinator\n")
+    (found,) = violations(tmp_path, EXCEPTIONS)
+    assert found.startswith("edge/cli.py:") and "imports fedper.coordinator.engine.Coordinator" in found
