@@ -14,7 +14,6 @@ as a multiple of one update's size, and the same for the engine's whole path.
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 import tracemalloc
@@ -22,23 +21,22 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
-from common import median, table, timed, write_json
+from common import main, median, table, timed, write_json
 
 from fedper.aggregation import WeightedMean
 from fedper.coordinator.engine import PARTIAL_EVERY, Config, Coordinator
 from fedper.coordinator.store import Store
 from fedper.manifest import Manifest
 from fedper.models import build_model, describe, exported_state
+from fedper.payload import decode_shared, encode_shared, max_blob_size
 from fedper.wire import (
     DEFAULT_CHUNK_SIZE,
     Reassembler,
     Register,
     Topics,
     UpdateMeta,
+    chunk,
     decode_chunk,
-    decode_tensors,
-    max_shared_blob_size,
-    update_frames,
 )
 
 TOPICS = Topics("bench")
@@ -57,7 +55,7 @@ def fold_times(manifest: Manifest, base: dict[str, np.ndarray], repeats: int) ->
     update = {n: v + np.float32(1e-3) for n, v in base.items()}
     raw = {n: v.copy() for n, v in base.items()}
     raw64, update64 = ({n: v.astype(np.float64) for n, v in t.items()} for t in (base, update))
-    frames = update_frames(manifest, update, UpdateMeta(1, 10, manifest.base_digest), "u")
+    frames = chunk(encode_shared(manifest, update), blob_id="u", meta=UpdateMeta(1, 10, manifest.base_digest).to_dict())
 
     def raw_add() -> None:
         for name, acc in raw.items():
@@ -68,10 +66,10 @@ def fold_times(manifest: Manifest, base: dict[str, np.ndarray], repeats: int) ->
             acc += update64[name]
 
     def decode() -> None:
-        reassembler = Reassembler(max_shared_blob_size(manifest))
+        reassembler = Reassembler(max_blob_size(manifest))
         for frame in frames:
             blob = reassembler.add("d", decode_chunk(frame))
-        decode_tensors(manifest, blob.data)
+        decode_shared(manifest, blob.data)
 
     mean = WeightedMean()
     mean.add(update, 10)
@@ -132,7 +130,7 @@ def run(out: Path, quick: bool = False) -> str:
     raw = times["raw numpy add (float32)"]
     counts = (10, 100) if quick else (10, 100, 1000)
     memory = {n: peak_memory(base, n) for n in counts}
-    frames = update_frames(manifest, base, UpdateMeta(1, 10, manifest.base_digest), "u")
+    frames = chunk(encode_shared(manifest, base), blob_id="u", meta=UpdateMeta(1, 10, manifest.base_digest).to_dict())
     chunks = len(frames)
     engine_memory = {n: feed_engine(manifest, base, frames, n, trace_memory=True)[1] for n in counts[:2]}
     write_json(out, "coordinator", {
@@ -150,13 +148,6 @@ def run(out: Path, quick: bool = False) -> str:
                            [[n, m / 1e6, m / size] for n, m in engine_memory.items()])
     return text
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("runs/bench"), help="folder for coordinator.json")
-    parser.add_argument("--quick", action="store_true", help="fewer repeats, up to 100 updates")
-    args = parser.parse_args()
-    print(run(args.out, args.quick))
-
 
 if __name__ == "__main__":
-    main()
+    main(run, __doc__, quick="fewer repeats, up to 100 updates")

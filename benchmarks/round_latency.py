@@ -11,7 +11,6 @@ what is still queued after the last upload, and aggregation (the coordinator's m
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import median, table, write_json
+from common import main, median, table, write_json
 
 from fedper.coordinator.engine import Config, Coordinator
 from fedper.coordinator.service import run_service
@@ -29,15 +28,14 @@ from fedper.coordinator.store import Store
 from fedper.manifest import Manifest
 from fedper.models import build_model, describe, exported_state
 from fedper.mqtt import connect_async, make_client, parse_broker_url
+from fedper.payload import decode_shared, encode_shared, max_blob_size
 from fedper.wire import (
     Reassembler,
     Register,
     RoundInfo,
     Topics,
     UpdateMeta,
-    decode_tensors,
-    max_shared_blob_size,
-    update_frames,
+    chunk,
 )
 
 TOPICS = Topics("bench")
@@ -52,7 +50,7 @@ class Device:
         self.timings: dict[int, dict[str, float]] = {}
         self._latest: RoundInfo | None = None
         self._blobs: dict[str, bytes] = {}
-        self._reassembler = Reassembler(max_shared_blob_size(manifest))
+        self._reassembler = Reassembler(max_blob_size(manifest))
         self.client = make_client(f"bench-{name}", will=(TOPICS.presence(name), b"offline"))
         self.client.on_connect = self._on_connect
         self.client.on_message = self._on_message
@@ -75,7 +73,7 @@ class Device:
         info = self._latest
         if info and info.state == "open" and info.blob_id in self._blobs and "received" not in self.timings[info.round]:
             self.timings[info.round]["received"] = time.perf_counter()
-            base = decode_tensors(self.manifest, self._blobs[info.blob_id])
+            base = decode_shared(self.manifest, self._blobs[info.blob_id])
             threading.Thread(target=self._train_and_send, args=(info.round, base), daemon=True).start()
 
     def _train_and_send(self, round_: int, base: dict[str, np.ndarray]) -> None:
@@ -85,7 +83,8 @@ class Device:
         update = {k: v + np.float32(1e-3) for k, v in base.items()}
         meta = UpdateMeta(round_, 100, self.manifest.base_digest, {"accuracy": 0.5})
         infos = [self.client.publish(TOPICS.update(self.name), frame, qos=1)
-                 for frame in update_frames(self.manifest, update, meta, f"r{round_}-{self.name}")]
+                 for frame in chunk(encode_shared(self.manifest, update), blob_id=f"r{round_}-{self.name}",
+                                    meta=meta.to_dict())]
         for info in infos:
             info.wait_for_publish(60)
         marks["uploaded"] = time.perf_counter()
@@ -158,13 +157,5 @@ def run(out: Path, quick: bool = False) -> str:
                                   r["upload_last_s"], r["fold_after_last_upload_s"], r["aggregate_s"]] for r in rows])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("runs/bench"), help="folder for round_latency.json")
-    parser.add_argument("--quick", action="store_true", help="MobileNet-v1 w0.25, one round")
-    args = parser.parse_args()
-    print(run(args.out, args.quick))
-
-
 if __name__ == "__main__":
-    main()
+    main(run, __doc__, quick="MobileNet-v1 w0.25, one round")

@@ -2,7 +2,7 @@
 
 Per device and round: the base model comes down (the shared tensors, fp32) and the update goes
 up (the shared tensors through fedper.compression's codec, BatchNorm statistics exact:
-fedper.wire.update_blob), both as safetensors blobs cut into protocol v1 chunk frames
+fedper.payload.encode_shared), both as safetensors blobs cut into protocol v1 chunk frames
 (fedper.wire.chunk, 63 KiB chunks); MQTT's own few bytes per publish are not counted. The
 accuracy cost: the emulator on digits (real images) with every client's shared tensors encoded
 and decoded as the wire does before aggregation, same seeds for every codec.
@@ -12,17 +12,17 @@ and decoded as the wire does before aggregation, same seeds for every codec.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import table, write_json
+from common import main, table, write_json
 
 from fedper.compression import CODECS
 from fedper.models import build_model, describe, exported_state
-from fedper.wire import UpdateMeta, chunk, decode_tensors, update_blob
+from fedper.payload import decode_shared, encode_shared
+from fedper.wire import UpdateMeta, chunk
 
 MODELS = (("mobilenet_v1", 1.0), ("resnet34", 1.0))
 KPS = (1, 2, 3, 4)
@@ -45,9 +45,9 @@ def sizes(models=MODELS, kps=KPS) -> list[dict[str, Any]]:
         for kp in kps:
             manifest, tensors = shared_tensors(arch, width, kp)
             meta = {k: v for k, v in json.loads(UpdateMeta(1, 500, manifest.base_digest).encode()).items() if k != "v"}
-            down = framed_bytes(update_blob(manifest, tensors), {"round": 1})
+            down = framed_bytes(encode_shared(manifest, tensors), {"round": 1})
             for codec in CODECS:
-                blob = update_blob(manifest, tensors, codec, base=tensors)  # a delta's size does not depend on it
+                blob = encode_shared(manifest, tensors, codec, base=tensors)  # a delta's size does not depend on it
                 up = framed_bytes(blob, {**meta, "codec": codec})
                 rows.append({"model": arch, "width": width, "kp": kp, "codec": codec, "shared_params":
                              sum(v.size for v in tensors.values()), "update_blob": len(blob), "up": up,
@@ -99,8 +99,8 @@ def accuracy_cost(rounds: int, seeds: tuple[int, ...]) -> list[dict[str, Any]]:
                     back = {n: (v * (1 + 2**-24 * noise.standard_normal(v.shape))).astype(v.dtype)
                             if self.manifest.spec(n).trainable else v for n, v in tensors.items()}
                 else:
-                    blob = update_blob(self.manifest, tensors, self.codec, base)
-                    back = decode_tensors(self.manifest, blob, self.codec, base)
+                    blob = encode_shared(self.manifest, tensors, self.codec, base)
+                    back = decode_shared(self.manifest, blob, self.codec, base)
                 exact.add({n: tensors[n] for n in trainable}, self.data.n_train[j])
                 coded.add({n: back[n] for n in trainable}, self.data.n_train[j])
                 yield {n: torch.from_numpy(back[n]).to(v.device) for n, v in shared.items()}, local
@@ -154,13 +154,5 @@ def run(out: Path, quick: bool = False) -> str:
     return text
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("runs/bench"), help="folder for wire.json")
-    parser.add_argument("--quick", action="store_true", help="MobileNet-v1 at K_P=1 only, no accuracy run")
-    args = parser.parse_args()
-    print(run(args.out, args.quick))
-
-
 if __name__ == "__main__":
-    main()
+    main(run, __doc__, quick="MobileNet-v1 at K_P=1 only, no accuracy run")

@@ -35,6 +35,19 @@ def run(
     chunk_size: int = typer.Option(63 * 1024, min=1, help="Bytes of tensor data per MQTT message."),
     aggregator: str = typer.Option("mean", help="mean (n_j-weighted, streaming), median or trimmed-mean."),
     clip_norm: float = typer.Option(None, min=0.0, help="Clip each update's L2 distance to the model to this."),
+    max_samples_per_device: int = typer.Option(
+        1_000_000, min=1, help="Largest n_samples a device may register (its weight in the mean); a registration "
+                               "above is refused (too_many_samples)."),
+    max_uploads_per_device: int = typer.Option(
+        2, min=1, help="Partial uploads a device may have in flight; its newer one displaces its oldest."),
+    max_upload_bytes_per_device: int = typer.Option(
+        None, min=1, help="Bytes a device's partial uploads may hold [default: two updates of the model]."),
+    max_reassembly_bytes: int = typer.Option(
+        None, min=1, help="Bytes all partial uploads may hold; a newcomer beyond is refused (over_quota) "
+                          "[default: 1 GiB, or 4 devices' quotas if more]."),
+    max_messages_per_second: float = typer.Option(
+        1000.0, min=0.001, help="Messages per device per second (bursts: 2 s' worth, or two updates' chunks); "
+                                "more are dropped unread and counted (rate_limited)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every accepted update."),
 ) -> None:
     """Serve rounds until --rounds are done; resumes from --state-dir after a restart."""
@@ -44,7 +57,7 @@ def run(
     from fedper.coordinator.store import CheckpointError, Store
     from fedper.manifest import Manifest, ManifestError
     from fedper.mqtt import PROTOCOLS, BrokerUrl, parse_broker_url
-    from fedper.tensors import TensorError, unpack_shared
+    from fedper.payload import decode_shared
     from fedper.wire import Topics, WireError
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
@@ -60,11 +73,15 @@ def run(
         base_path = artifacts / BASE_FILE
         if not base_path.exists():
             raise ValueError(f"no {BASE_FILE} in {artifacts}: is it an export directory?")
-        initial = unpack_shared(manifest, base_path.read_bytes())
+        initial = decode_shared(manifest, base_path.read_bytes())
         url = BrokerUrl("127.0.0.1", port, False) if embedded_broker else parse_broker_url(broker)
-        config = Config(rounds, min_clients, round_timeout, chunk_size, aggregator, clip_norm)
+        config = Config(rounds, min_clients, round_timeout, chunk_size, aggregator, clip_norm,
+                        max_samples_per_device=max_samples_per_device,
+                        max_uploads_per_device=max_uploads_per_device,
+                        max_upload_bytes_per_device=max_upload_bytes_per_device,
+                        max_reassembly_bytes=max_reassembly_bytes, max_messages_per_second=max_messages_per_second)
         coordinator = Coordinator(manifest, initial, Topics(fleet), config, Store(state_dir))
-    except (ValueError, KeyError, OSError, ManifestError, TensorError, WireError, CheckpointError) as e:
+    except (ValueError, KeyError, OSError, ManifestError, WireError, CheckpointError) as e:
         typer.echo(f"fedper-coordinator: {e}", err=True)
         raise typer.Exit(2) from None
 

@@ -18,28 +18,29 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from fedper.aggregation import CoordinateMedian, TrimmedMean, WeightedMean, clip_update
+from fedper.coordinator.quota import BURST_SECONDS, MessageRateLimit
 from fedper.coordinator.store import FINAL_FILE, CheckpointError, Store
 from fedper.manifest import Manifest
-from fedper.tensors import pack_shared, unpack_shared
+from fedper.payload import decode_shared, encode_shared, max_blob_size
 from fedper.wire import (
     DEFAULT_CHUNK_SIZE,
+    MAX_ERROR_TEXT,
     ErrorMessage,
     Reassembler,
     Register,
     RoundInfo,
     Topics,
     WireError,
+    chunk,
+    chunk_count,
     decode_chunk,
-    decode_tensors,
     decode_update_meta,
-    max_shared_blob_size,
-    model_frames,
 )
 
 log = logging.getLogger("fedper.coordinator")
@@ -49,7 +50,10 @@ AGGREGATORS: dict[str, Callable[[], Any]] = {
     "median": CoordinateMedian,
     "trimmed-mean": TrimmedMean,
 }
-MAX_REJECTED_KEYS = 10_000
+MAX_REJECTED_PER_DEVICE = 1_000  # refused blob ids remembered per device (its later chunks are dropped unanswered)
+MAX_REJECTED_DEVICES = 10_000
+DEFAULT_MAX_SAMPLES_PER_DEVICE = 1_000_000  # a registration claiming more is refused (too_many_samples)
+DEFAULT_REASSEMBLY_BYTES = 1 << 30  # all devices' partial uploads together, unless 4 devices' quotas are more
 PARTIAL_EVERY = 8  # weighted mean: a checkpoint of its float64 sum per this many accepted updates
 
 
@@ -70,8 +74,29 @@ class Config:
     chunk_size: int = DEFAULT_CHUNK_SIZE
     aggregator: str = "mean"
     clip_norm: float | None = None
-    max_open_blobs: int = 64
+    max_samples_per_device: int = DEFAULT_MAX_SAMPLES_PER_DEVICE  # the cap on a device's claimed n_j
+    max_open_blobs: int = 64  # partial update blobs of all devices together; a newcomer beyond is refused
+    max_uploads_per_device: int = 2  # partial update blobs per device: its newer one displaces its oldest
+    max_upload_bytes_per_device: int | None = None  # bytes held in them; None: two blobs of the model
+    max_reassembly_bytes: int | None = None  # all devices' partial blobs; None: DEFAULT_REASSEMBLY_BYTES
+    max_messages_per_second: float = 1000.0  # per device (coordinator/quota.py); more are dropped unread
     state_interval: float = 0.5  # at most one state message per this many seconds, when something changed
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What a device said about itself: its n_j (which each of its updates must repeat) and its software."""
+
+    n_samples: int
+    software: str
+
+
+@dataclass(frozen=True)
+class Folded:
+    """An update folded into the open round's aggregate: the weight it was folded with and its metrics."""
+
+    n_samples: int
+    metrics: dict[str, float]
 
 
 @dataclass
@@ -79,7 +104,7 @@ class _Round:
     """What a restart must not lose about the open round."""
 
     number: int
-    folded: dict[str, dict[str, Any]] = field(default_factory=dict)  # device -> {n_samples, metrics}
+    folded: dict[str, Folded] = field(default_factory=dict)  # by device
     bytes_received: int = 0
     extensions: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
@@ -94,15 +119,15 @@ class Coordinator:
             raise ValueError("rounds and min_clients must be >= 1")
         self.manifest, self.topics, self.config, self.store = manifest, topics, config, store
         self.digest = manifest.base_digest
-        self.model = unpack_shared(manifest, pack_shared(manifest, initial))  # validated copy
-        self.registered: dict[str, dict[str, Any]] = {}
+        self.model = decode_shared(manifest, encode_shared(manifest, initial))  # validated copy
+        self.registered: dict[str, Registration] = {}
         self.counters: Counter[str] = Counter()
         self.round = _Round(1)
         self.finished = False
         self.online: set[str] = set()
         self._aggregator: Any = AGGREGATORS[config.aggregator]()
-        self._reassembler = Reassembler(max_shared_blob_size(manifest), config.max_open_blobs)
-        self._rejected: set[tuple[str, str]] = set()
+        self._reassembler, self._rate = self._quotas(manifest, config)
+        self._rejected: dict[str, set[str]] = {}  # device -> blob ids refused (and answered) in the open round
         self._deadline = 0.0
         self._opened_at = 0.0
         self._broadcast_s = 0.0
@@ -131,24 +156,25 @@ class Coordinator:
         if saved.get("base_digest") != self.digest:
             raise ValueError(f"{self.store.dir} holds the state of a run with another export (base_digest "
                              f"{saved.get('base_digest')}): use a fresh --state-dir")
-        self.model = unpack_shared(self.manifest, pack_shared(self.manifest, self.store.read_tensors(saved["model"])))
+        self.model = decode_shared(self.manifest, encode_shared(self.manifest, self.store.read_tensors(saved["model"])))
         self._files["model"] = saved["model"]
-        self.registered = saved["registered"]
+        self.registered = {device: Registration(**entry) for device, entry in saved["registered"].items()}
         self.counters = Counter(saved["counters"])
         self.finished = saved["finished"]
         r = saved["round"]
-        self.round = _Round(r["number"], r["folded"], r["bytes_received"], r["extensions"], Counter(r["rejected"]))
+        folded = {device: Folded(**entry) for device, entry in r["folded"].items()}
+        self.round = _Round(r["number"], folded, r["bytes_received"], r["extensions"], Counter(r["rejected"]))
         if saved.get("partial"):
             self._files["partial"] = saved["partial"]
             blobs = saved.get("updates", {})  # the partial sum holds the folded updates not kept as blobs
-            in_partial = [d["n_samples"] for device, d in self.round.folded.items() if device not in blobs]
+            in_partial = [f.n_samples for device, f in self.round.folded.items() if device not in blobs]
             dtypes = {t.name: t.dtype for t in self.manifest.shared_tensors}
             self._aggregator = WeightedMean.from_sums(self.store.read_tensors(saved["partial"]),
                                                       float(sum(in_partial)), len(in_partial), dtypes)
         for device, blob_name in saved.get("updates", {}).items():
             self._files.setdefault("updates", {})[device] = blob_name
-            tensors = decode_tensors(self.manifest, self.store.read_bytes(blob_name), base=self.model)
-            self._aggregator.add(self._prepared(tensors), self.round.folded[device]["n_samples"])
+            tensors = decode_shared(self.manifest, self.store.read_bytes(blob_name), base=self.model)
+            self._aggregator.add(self._prepared(tensors), self.round.folded[device].n_samples)
         log.info("resumed from %s: round %d of %d, %d update(s) already accepted, %d device(s) registered",
                  self.store.dir, self.round.number, self.config.rounds, len(self.round.folded), len(self.registered))
 
@@ -159,10 +185,14 @@ class Coordinator:
     # ------------------------------------------------------------ input
 
     def handle(self, topic: str, payload: bytes, now: float) -> list[Outgoing]:
-        """One incoming message; a bad one is logged, counted and answered. Raises only CheckpointError."""
+        """One incoming message; a bad one is refused before it changes anything, logged once, counted and
+        answered on its device's error topic (a chunk of a blob already refused is dropped: one answer per
+        blob). Raises only CheckpointError."""
         device = None
         try:
             kind, device = self.topics.parse(topic)
+            if not self._rate.admit(device, now):
+                return self._rate_limited(device, now)
             if kind == "register":
                 return self._on_register(device, payload)
             if kind == "presence":
@@ -173,9 +203,8 @@ class Coordinator:
             return self._reject(device, e.code, str(e))
         except CheckpointError:
             raise  # the service must stop unacknowledged: the broker redelivers to the restarted one
-        except Exception as e:  # a bug must cost one message, never the service
-            log.exception("internal error on a message from %s", device)
-            return self._reject(device, "internal_error", f"{type(e).__name__}: {e}", answer=False)
+        except Exception as e:  # a bug must cost one message, never the service; the device hears of it
+            return self._reject(device, "internal_error", f"{type(e).__name__}: {e}", error=e)
 
     def tick(self, now: float) -> list[Outgoing]:
         """Close the round when it is complete or its deadline has passed with a quorum."""
@@ -208,13 +237,14 @@ class Coordinator:
                 log.info("unregistered %s", device)
                 self._commit()
             return []
-        msg = Register.decode(payload)
+        msg = Register.decode(payload)  # every field checked: n_samples an integer in 1..2**53-1
         if msg.base_digest != self.digest:
             raise WireError("digest_mismatch", f"manifest base_digest {msg.base_digest} is not the coordinator's "
                             f"{self.digest}: use the same export")
-        if msg.n_samples < 1:
-            raise WireError("bad_message", f"n_samples must be >= 1, got {msg.n_samples}")
-        entry = {"n_samples": msg.n_samples, "software": msg.software}
+        if msg.n_samples > self.config.max_samples_per_device:
+            raise WireError("too_many_samples", f"n_samples {msg.n_samples} is above the coordinator's "
+                            f"--max-samples-per-device {self.config.max_samples_per_device}: not registered")
+        entry = Registration(msg.n_samples, msg.software)  # replaces an earlier one: see docs/reliability.md
         if self.registered.get(device) != entry:
             log.info("registered %s: %d samples, software %s", device, msg.n_samples, msg.software)
             self.registered[device] = entry
@@ -229,37 +259,48 @@ class Coordinator:
     def _on_update(self, device: str, payload: bytes, now: float) -> list[Outgoing]:
         self.round.bytes_received += len(payload)
         chunk = decode_chunk(payload)  # its declared size is checked below, once per blob
-        key = (device, chunk.blob_id)
-        if key in self._rejected:
+        if chunk.blob_id in self._rejected.get(device, ()):
             return []  # the rest of a blob already refused (and answered) once
         try:
-            if device not in self.registered:
+            registration = self.registered.get(device)
+            if registration is None:
                 raise WireError("unknown_device", f"{device} has not registered: publish register/{device} first")
-            meta = decode_update_meta(chunk.meta)
+            meta = decode_update_meta(chunk.meta)  # every field checked: types, ranges, metrics' names and values
             if meta.round != self.round.number:
                 raise WireError("late_update", f"update for round {meta.round}, but round {self.round.number} is open")
             if device in self.round.folded:
                 raise WireError("duplicate_update", f"round {meta.round} update already accepted from {device}")
             if meta.base_digest != self.digest:
                 raise WireError("digest_mismatch", f"update base_digest {meta.base_digest} is not {self.digest}")
-            if meta.n_samples < 1:
-                raise WireError("rejected", f"n_samples must be >= 1, got {meta.n_samples}")
+            if meta.n_samples > self.config.max_samples_per_device:  # registered under a higher cap before a restart
+                raise WireError("too_many_samples", f"n_samples {meta.n_samples} is above --max-samples-per-device "
+                                f"{self.config.max_samples_per_device}")
+            if meta.n_samples != registration.n_samples:
+                raise WireError("n_samples_mismatch", f"the update claims {meta.n_samples} samples, {device} "
+                                f"registered {registration.n_samples}: re-register, then resend")
             blob = self._reassembler.add(device, chunk)
             if blob is None:
                 return []
-            tensors = decode_tensors(self.manifest, blob.data, meta.codec, base=self.model)
-        except WireError:
-            self._remember_rejected(key)
+            tensors = self._prepared(decode_shared(self.manifest, blob.data, meta.codec, base=self.model))
+            self._fold(device, tensors, blob.data, meta.n_samples, meta.metrics)
+        except CheckpointError:
+            raise
+        except Exception:  # refused as a whole blob: its other chunks are dropped, the device is answered once
+            self._remember_rejected(device, chunk.blob_id)
             self._reassembler.discard(device)
             raise
-        self._fold(device, tensors, blob.data, meta.n_samples, meta.metrics)
         return []
 
     def _fold(self, device: str, tensors: dict[str, np.ndarray], blob: bytes, n_samples: int,
               metrics: dict[str, float]) -> None:
+        """Fold an update checked in full (tensors prepared) into the round: the aggregator's add is all or
+        nothing, and nothing else changes before it succeeded."""
         k = self.round.number
-        self._aggregator.add(self._prepared(tensors), n_samples)
-        self.round.folded[device] = {"n_samples": n_samples, "metrics": metrics}
+        try:
+            self._aggregator.add(tensors, n_samples)
+        except ValueError as e:
+            raise WireError("rejected", f"the aggregation rule refused the update: {e}") from None
+        self.round.folded[device] = Folded(n_samples, metrics)
         updates = self._files.setdefault("updates", {})
         if isinstance(self._aggregator, WeightedMean) and len(updates) + 1 >= PARTIAL_EVERY:
             self._files["partial"] = self.store.write_tensors(f"partial-r{k}-{len(self.round.folded)}.safetensors",
@@ -278,20 +319,57 @@ class Coordinator:
             tensors = clip_update(tensors, self.model, self.config.clip_norm)
         return tensors
 
-    def _reject(self, device: str | None, code: str, message: str, answer: bool = True) -> list[Outgoing]:
+    def _reject(self, device: str | None, code: str, message: str, error: Exception | None = None) -> list[Outgoing]:
+        """Count, log (one record, with the traceback of an internal `error`) and answer a refused message;
+        a topic that names no device has nobody to answer."""
         self.counters[code] += 1
         self.round.rejected[code] += 1
         self._state_dirty = True
-        log.warning("rejected %s from %s: %s", code, device or "?", message)
-        if device is None or not answer:
+        log.warning("rejected %s from %s: %s", code, device or "?", message, exc_info=error)
+        if device is None:
             return []
-        error = ErrorMessage(code, message, self.round.number)
-        return [Outgoing(self.topics.error(device), error.encode())]
+        answer = ErrorMessage(code, message[:MAX_ERROR_TEXT], self.round.number)
+        return [Outgoing(self.topics.error(device), answer.encode())]
 
-    def _remember_rejected(self, key: tuple[str, str]) -> None:
-        if len(self._rejected) >= MAX_REJECTED_KEYS:
+    @staticmethod
+    def _quotas(manifest: Manifest, config: Config) -> tuple[Reassembler, MessageRateLimit]:
+        """Per-device quotas (docs/reliability.md, "Untrusted devices"): in-flight uploads, their
+        bytes and the message rate, each sized so that an honest device's upload always fits."""
+        blob = max_blob_size(manifest)
+        per_device = config.max_upload_bytes_per_device or 2 * blob + Reassembler.PARTIAL_COST
+        everyone = config.max_reassembly_bytes or max(DEFAULT_REASSEMBLY_BYTES, 4 * per_device)
+        if per_device < blob or everyone < per_device:
+            raise ValueError(f"--max-upload-bytes-per-device ({per_device}) must hold one update of the model "
+                             f"({blob} bytes) and --max-reassembly-bytes ({everyone}) one device's quota")
+        if config.max_uploads_per_device < 1 or config.max_open_blobs < 1:
+            raise ValueError("--max-uploads-per-device and max_open_blobs must be >= 1")
+        reassembler = Reassembler(blob, config.max_open_blobs, max_blobs_per_source=config.max_uploads_per_device,
+                                  max_bytes_per_source=per_device, max_bytes=everyone)
+        upload = chunk_count(blob, config.chunk_size)  # messages of one update at the coordinator's chunk size
+        rate = config.max_messages_per_second
+        return reassembler, MessageRateLimit(rate, burst=max(BURST_SECONDS * rate, 2 * upload + 16))
+
+    def _rate_limited(self, device: str, now: float) -> list[Outgoing]:
+        """A message dropped unread: always counted; logged and answered once per report window."""
+        self.counters["rate_limited"] += 1
+        self.round.rejected["rate_limited"] += 1
+        self._state_dirty = True
+        dropped = self._rate.report_due(device, now)
+        if not dropped:
+            return []
+        message = (f"dropped {dropped} message(s) unread since the last report: above --max-messages-per-second "
+                   f"{self.config.max_messages_per_second:g}")
+        log.warning("rate_limited %s: %s", device, message)
+        return [Outgoing(self.topics.error(device), ErrorMessage("rate_limited", message, self.round.number).encode())]
+
+    def _remember_rejected(self, device: str, blob_id: str) -> None:
+        """Per device, so that one device's flood of refused blobs never makes another's be answered twice."""
+        if device not in self._rejected and len(self._rejected) >= MAX_REJECTED_DEVICES:
             self._rejected.clear()
-        self._rejected.add(key)
+        refused = self._rejected.setdefault(device, set())
+        if len(refused) >= MAX_REJECTED_PER_DEVICE:
+            refused.clear()
+        refused.add(blob_id)
 
     # ------------------------------------------------------------ rounds
 
@@ -320,13 +398,13 @@ class Coordinator:
         return self.announce(now)
 
     def _metrics(self, closed: _Round, now: float, aggregate_s: float) -> dict[str, Any]:
-        accuracies = [d["metrics"]["accuracy"] for d in closed.folded.values() if "accuracy" in d["metrics"]]
+        accuracies = [f.metrics["accuracy"] for f in closed.folded.values() if "accuracy" in f.metrics]
         return {
             "round": closed.number,
             "participants": len(closed.folded),
             "devices": sorted(closed.folded),
             "registered": len(self.registered),
-            "n_samples": sum(d["n_samples"] for d in closed.folded.values()),
+            "n_samples": sum(f.n_samples for f in closed.folded.values()),
             "accuracy_mean": float(np.mean(accuracies)) if accuracies else None,
             "accuracy_std": float(np.std(accuracies)) if accuracies else None,
             "bytes_received": closed.bytes_received,
@@ -341,12 +419,13 @@ class Coordinator:
     def _commit(self) -> None:
         r = self.round
         self.store.commit({
-            "round": {"number": r.number, "folded": r.folded, "bytes_received": r.bytes_received,
+            "round": {"number": r.number, "folded": {d: asdict(f) for d, f in r.folded.items()},
+                      "bytes_received": r.bytes_received,
                       "extensions": r.extensions, "rejected": dict(r.rejected)},
             "model": self._files["model"],
             "partial": self._files.get("partial"),
             "updates": self._files.get("updates", {}),
-            "registered": self.registered,
+            "registered": {device: asdict(entry) for device, entry in self.registered.items()},
             "counters": dict(self.counters),
             "finished": self.finished,
             "base_digest": self.digest,
@@ -362,7 +441,8 @@ class Coordinator:
     def _model_messages(self) -> list[Outgoing]:
         blob_id = self.blob_id
         if self._model_blob is None or self._model_blob[0] != blob_id:
-            blob, frames = model_frames(self.manifest, self.model, blob_id, self.round.number, self.config.chunk_size)
+            blob = encode_shared(self.manifest, self.model)
+            frames = chunk(blob, self.config.chunk_size, blob_id, {"round": self.round.number})
             self._model_blob = (blob_id, blob, frames)
         out = []
         if self._published_blob and self._published_blob[0] != blob_id:  # clear the old round's retained chunks

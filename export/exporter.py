@@ -19,7 +19,7 @@ from fedper.export.graph import GRAPHS
 from fedper.export.onnx_export import ExportError, convert_to_ort, torch_to_onnx, write_artifact_set, write_inference
 from fedper.manifest import Manifest, sha256_file
 from fedper.models import build_model, describe, exported_state
-from fedper.tensors import pack_shared
+from fedper.payload import encode_shared
 
 Progress = Callable[[str, int, int], None]  # (what is being done, steps done, steps in all)
 
@@ -74,7 +74,7 @@ def export_artifacts(
         training_proto = torch_to_onnx(net, state, manifest)
         write_inference(training_proto, work / INFERENCE_FILE)
         shared = {name: state[name].detach().cpu().numpy() for name in manifest.names(shared=True)}
-        (work / BASE_FILE).write_bytes(pack_shared(manifest, shared))
+        (work / BASE_FILE).write_bytes(encode_shared(manifest, shared))
         for done, (kind, folder) in enumerate(sets.items(), start=1):
             report(f"building the '{kind}' training artifacts", done, total)
             write_artifact_set(training_proto, manifest, kind, work / folder)

@@ -1,41 +1,36 @@
 """Opt-in update compression: a codec turns float32 tensors into smaller ones and back.
 
-Codecs (the name a device announces, the `fedper.codec` entry of the blob's safetensors metadata):
+Codecs (the name a device announces, the `fedper.codec` entry of the metadata `encode` returns):
 
-- `fp32`: identity; the blob is exactly what `safetensors` writes for the float32 tensors.
+- `fp32`: identity (on the wire: plain safetensors of the float32 tensors, no metadata).
 - `fp16`: every float32 tensor cast to float16 (half the bytes). A tensor with values beyond
-  float16's +-65504 (a BatchNorm running_var can grow that large) stays float32 in the blob.
+  float16's +-65504 (a BatchNorm running_var can grow that large) stays float32.
 - `int8`: 8-bit per-tensor affine quantization: q = round((x - lo) / scale), stored as uint8, with
   scale = (hi - lo) / 255 over the tensor's range [lo, hi] (a quarter of the bytes). Decoding
-  gives lo + q * scale, within scale / 2 of x. The parameters travel in the safetensors metadata,
-  not as extra tensors, so the blob's tensor names stay the manifest's: `fedper.quant` is a JSON
+  gives lo + q * scale, within scale / 2 of x. The parameters travel in the metadata, not as
+  extra tensors, so the tensor names stay the caller's: `fedper.quant` is a JSON
   object {tensor name: [lo, scale]} (numbers as JSON doubles, exact for float32 values).
 - `int8-delta`: `int8` applied to d = x - r, where r is the `reference` both ends hold (on the
   wire: the model of the round the update answers); decoding gives r + lo + q * scale. The grid
-  then spans the round's change instead of the weights' whole range: `int8` of whole weights
-  costs 8-14 % of a late round's step, since a round moves the weights by less than its grid
-  (docs/performance.md).
+  then spans the round's change instead of the weights' whole range: a late round moves the
+  weights by less than whole-weight `int8`'s grid (docs/performance.md has the update errors).
 
 Tensors that are not float32 pass through unchanged, and so do the float32 tensors the caller
 names `exact`: the wire keeps BatchNorm running statistics exact, because quantizing a variance
 that spans orders of magnitude (a near-zero one rounds to zero) wrecks the layer it normalizes.
-`decode` always returns float32 for the tensors that were float32 (a float32 tensor in any blob is
-one sent exact), and refuses a blob whose dtypes, codec or parameters do not agree.
-The module knows nothing about manifests or the wire: callers validate names and shapes
-(`fedper.tensors`) before encoding and after decoding.
+`decode` always returns float32 for the tensors that were float32 (a float32 array under any codec
+is one sent exact), and refuses arrays whose dtypes, codec or parameters do not agree.
+Arrays in, arrays and metadata out: the module knows nothing about bytes, manifests or the wire;
+`fedper.payload` writes the safetensors blob and validates names and shapes on both sides.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import struct
 from collections.abc import Collection, Mapping
 
 import numpy as np
-from safetensors import SafetensorError
-from safetensors.numpy import load as st_load
-from safetensors.numpy import save as st_save
 
 CODECS = ("fp32", "fp16", "int8", "int8-delta")
 DELTA_CODECS = ("int8-delta",)  # they encode the difference from a reference both ends hold
@@ -48,7 +43,7 @@ _STORED = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "int8": n
 
 
 class CodecError(ValueError):
-    """An unknown codec, a tensor a codec cannot represent, or a malformed encoded blob."""
+    """An unknown codec, a tensor a codec cannot represent, or encoded arrays that do not match their metadata."""
 
 
 def check_codec(codec: str) -> str:
@@ -133,7 +128,7 @@ def decode(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str],
             raise CodecError(f"{name} decodes to NaN or Inf")
     unused = sorted(set(quant) - set(arrays))
     if unused:
-        raise CodecError(f"quantization parameters for tensors not in the blob: {unused[:3]}")
+        raise CodecError(f"quantization parameters for tensors not in the arrays: {unused[:3]}")
     return out
 
 
@@ -146,7 +141,7 @@ def _quant_params(metadata: Mapping[str, str]) -> dict[str, tuple[float, float]]
     try:
         raw = json.loads(metadata[QUANT_KEY])
     except (KeyError, TypeError, ValueError):
-        raise CodecError(f"int8 blob without valid {QUANT_KEY} metadata") from None
+        raise CodecError(f"int8 arrays without valid {QUANT_KEY} metadata") from None
     if not isinstance(raw, dict):
         raise CodecError(f"{QUANT_KEY} must be a JSON object")
     params = {}
@@ -158,37 +153,3 @@ def _quant_params(metadata: Mapping[str, str]) -> dict[str, tuple[float, float]]
         params[name] = (float(pair[0]), float(pair[1]))
     return params
 
-
-def pack(tensors: Mapping[str, np.ndarray], codec: str, exact: Collection[str] = (),
-         reference: Mapping[str, np.ndarray] | None = None) -> bytes:
-    """One safetensors blob: the encoded arrays with the codec and its parameters in the metadata."""
-    arrays, metadata = encode(tensors, codec, exact, reference)
-    return st_save({name: np.ascontiguousarray(a) for name, a in arrays.items()}, metadata=metadata)
-
-
-def unpack(blob: bytes, reference: Mapping[str, np.ndarray] | None = None) -> tuple[str, dict[str, np.ndarray]]:
-    """(codec, float32 tensors) of a blob written by `pack` (with the same `reference` for a delta codec)."""
-    blob = bytes(blob)
-    try:
-        arrays = st_load(blob)
-    except (SafetensorError, ValueError, OSError) as e:
-        raise CodecError(f"not a valid safetensors blob: {e}") from None
-    metadata = _metadata(blob)
-    return check_codec(metadata.get(CODEC_KEY, "")), decode(arrays, metadata, reference)
-
-
-def codec_of(blob: bytes) -> str:
-    """The codec a blob names; a blob that names none is plain fp32 (what `fedper.tensors` writes)."""
-    try:
-        return check_codec(_metadata(bytes(blob)).get(CODEC_KEY, "fp32"))
-    except (struct.error, ValueError, UnicodeDecodeError) as e:
-        raise CodecError(f"not a valid safetensors header: {e}") from None
-
-
-def _metadata(blob: bytes) -> dict[str, str]:
-    """The `__metadata__` of a safetensors header (already length-checked by st_load)."""
-    (n,) = struct.unpack_from("<Q", blob)
-    metadata = json.loads(blob[8 : 8 + n]).get("__metadata__") or {}
-    if not isinstance(metadata, dict):
-        raise CodecError("safetensors __metadata__ must be an object")
-    return metadata

@@ -1,8 +1,9 @@
 """Wire protocol v1 codec (docs/protocol.md): topics, JSON messages, chunk frames, reassembly.
 
 Everything here is pure (bytes in, bytes out) so the coordinator, the agent and the fuzz tests
-share one implementation. Parameters reach the wire only through `fedper.tensors.pack_shared`,
-which refuses device-local tensors: the head cannot be encoded, so it cannot be sent.
+share one implementation. Parameters are not its business: a blob of them is made and checked by
+`fedper.payload`, which refuses device-local tensors (the head cannot be encoded, so it cannot be
+sent), and travels here as bytes, cut into chunk frames by `chunk`.
 """
 
 from __future__ import annotations
@@ -15,14 +16,8 @@ import struct
 import zlib
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import Field, asdict, dataclass, field, fields
 from typing import Any, ClassVar, TypeVar
-
-import numpy as np
-
-from fedper import compression
-from fedper.manifest import Manifest
-from fedper.tensors import TensorError, check_shared, pack_shared, unpack_shared
 
 VERSION = 1
 PREFIX = f"fedper/v{VERSION}"
@@ -41,7 +36,12 @@ ERROR_CODES = (
     "late_update",  # an update for a round that is not the open one
     "duplicate_update",  # a second update for a round already accepted from this device
     "bad_tensors",  # wrong names, shapes or dtypes, NaN or Inf
-    "rejected",  # a valid update the aggregation rule refused (e.g. non-positive n_samples)
+    "rejected",  # a well-formed update the aggregation rule refused
+    "too_many_samples",  # a registration (or update) claims more samples than the coordinator's per-device cap
+    "n_samples_mismatch",  # an update's n_samples is not what its device registered
+    "internal_error",  # the coordinator failed on the message (a bug): refused, answered, logged once
+    "over_quota",  # the chunk would pass the sender's or the coordinator's reassembly quota (Reassembler)
+    "rate_limited",  # the sender's messages were dropped unread: above its message rate (coordinator/quota.py)
 )
 
 
@@ -108,29 +108,56 @@ class Topics:
 
 # ---------------------------------------------------------------- JSON messages
 
+# Bounds every field is checked against before a receiver acts on a message (docs/protocol.md, section 4).
+MAX_JSON_INT = 2**53 - 1  # the largest integer every JSON parser holds exactly (IEEE doubles, as JavaScript's)
+MAX_TEXT = 256  # characters of a string field (an error's message: MAX_ERROR_TEXT)
+MAX_ERROR_TEXT = 4096
+MAX_METRICS = 16  # entries of an update's metrics, each named like a topic level (NAME_RE)
+MAX_METRIC_VALUE = 1e15  # |value| of a metric: a fleet's sum of them stays a finite float
+
 M = TypeVar("M", bound="Message")
+
+
+def bounded(low: int = 0, high: int = MAX_JSON_INT, **more: Any) -> dict[str, Any]:
+    """Field metadata: the range of an int field (and `pattern`, `choices` or `max_length` of a str field)."""
+    return {"range": (low, high), **more}
 
 
 @dataclass(frozen=True)
 class Message:
-    """A JSON object message. Unknown fields are ignored; a missing or mistyped field is an error."""
+    """A JSON object message. Unknown fields are ignored; a missing, mistyped or out-of-range field is an
+    error: every field is checked (type, range, length, number of entries) before a receiver sees it."""
 
     _optional: ClassVar[frozenset[str]] = frozenset()
 
-    def encode(self) -> bytes:
-        return json.dumps({"v": VERSION, **asdict(self)}, separators=(",", ":")).encode()
+    def to_dict(self) -> dict[str, Any]:
+        """The message's fields as JSON values (without "v", which belongs to the JSON message's framing)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
 
     @classmethod
-    def decode(cls: type[M], payload: bytes) -> M:
-        body = _json_object(payload)
+    def from_dict(cls: type[M], body: Mapping[str, Any]) -> M:
+        """The message from a parsed JSON object, each field checked; WireError("bad_message") otherwise."""
+        if not isinstance(body, Mapping):
+            raise WireError("bad_message", f"{cls.__name__} must be a JSON object, got {type(body).__name__}")
         values = {}
         for f in fields(cls):
             if f.name not in body:
                 if f.name in cls._optional:
                     continue
                 raise WireError("bad_message", f"{cls.__name__}: missing field {f.name!r}")
-            values[f.name] = _typed(cls.__name__, f.name, body[f.name], f.type)
+            values[f.name] = _typed(f"{cls.__name__}.{f.name}", body[f.name], f)
         return cls(**values)
+
+    def encode(self) -> bytes:
+        return json.dumps({"v": VERSION, **self.to_dict()}, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls: type[M], payload: bytes) -> M:
+        return cls.from_dict(_json_object(payload))
+
+
+def _plain(value: Any) -> Any:
+    return dict(value) if isinstance(value, dict) else value
 
 
 def _finite(text: str) -> float:
@@ -151,32 +178,78 @@ def _json_object(payload: bytes) -> dict[str, Any]:
         raise WireError("bad_message", f"not UTF-8 JSON: {e}") from None
     if not isinstance(body, dict):
         raise WireError("bad_message", "a message must be a JSON object")
-    if body.get("v") != VERSION:
-        raise WireError("bad_message", f"unsupported protocol version {body.get('v')!r}, this peer speaks {VERSION}")
+    version = body.get("v")
+    if not _is_int(version) or version != VERSION:
+        raise WireError("bad_message", f"unsupported protocol version {_shown(version)}, this peer speaks {VERSION}")
     return body
 
 
-_TYPES: dict[str, tuple[type, ...]] = {  # field annotation -> accepted JSON value types
-    "int": (int,), "float": (int, float), "str": (str,), "dict[str, float]": (dict,), "int | None": (int, type(None)),
-}
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _typed(message: str, name: str, value: Any, annotation: Any) -> Any:
-    allowed = _TYPES[str(annotation)]
-    if isinstance(value, bool) or not isinstance(value, allowed):
-        raise WireError("bad_message", f"{message}.{name} must be {annotation}, got {type(value).__name__}")
+def _shown(value: Any) -> str:
+    """A received value for an error message, never longer than a line (it may be a 10**400 or a deep list)."""
+    if _is_int(value) and not -MAX_JSON_INT <= value <= MAX_JSON_INT:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value) if isinstance(value, (bool, int, float, str, type(None))) else type(value).__name__
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _number(name: str, value: Any, limit: float = math.inf) -> float:
+    """A JSON number as a finite float of magnitude <= limit (an integer like 10**400 is not one)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise WireError("bad_message", f"{name} must be a number, got {type(value).__name__}")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not (math.isfinite(number) and abs(number) <= limit):
+        raise WireError("bad_message", f"{name} must be a finite number of magnitude <= {limit:g}, got {_shown(value)}")
+    return number
+
+
+def _typed(name: str, value: Any, f: Field[Any]) -> Any:
+    """`value` checked against field `f`'s annotation and metadata (bounded())."""
+    annotation = str(f.type)
+    if annotation == "int | None" and value is None:
+        return None
+    if annotation in ("int", "int | None"):
+        low, high = f.metadata.get("range", (0, MAX_JSON_INT))
+        if not _is_int(value) or not low <= value <= high:
+            raise WireError("bad_message", f"{name} must be an integer in {low}..{high}, got {_shown(value)}")
+        return value
+    if annotation == "float":
+        return _number(name, value)
+    if annotation == "str":
+        max_length = f.metadata.get("max_length", MAX_TEXT)
+        if not isinstance(value, str) or len(value) > max_length:
+            raise WireError("bad_message", f"{name} must be a string of at most {max_length} characters, got "
+                            f"{_shown(value) if not isinstance(value, str) else f'{len(value)} characters'}")
+        pattern, choices = f.metadata.get("pattern"), f.metadata.get("choices")
+        if (pattern is not None and not pattern.fullmatch(value)) or (choices is not None and value not in choices):
+            wanted = " or ".join(choices) if choices else f"like {pattern.pattern}"
+            raise WireError("bad_message", f"{name} {_shown(value)} must be {wanted}")
+        return value
     if annotation == "dict[str, float]":
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values()):
-            raise WireError("bad_message", f"{message}.{name} must map names to numbers")
-        return {str(k): float(v) for k, v in value.items()}
-    return float(value) if annotation == "float" else value
+        if not isinstance(value, dict) or len(value) > MAX_METRICS:
+            raise WireError("bad_message", f"{name} must be an object of at most {MAX_METRICS} numbers, got "
+                            f"{len(value) if isinstance(value, dict) else type(value).__name__}")
+        for key in value:
+            if not isinstance(key, str) or not NAME_RE.fullmatch(key):
+                raise WireError("bad_message", f"{name}: name {_shown(key)} must match {NAME_RE.pattern}")
+        return {key: _number(f"{name}.{key}", v, MAX_METRIC_VALUE) for key, v in value.items()}
+    raise TypeError(f"{name}: no wire type for annotation {annotation}")  # a Message defined wrongly
+
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
 class Register(Message):
     """device -> coordinator on .../register/<device> (retained, QoS 1)."""
 
-    n_samples: int
+    n_samples: int = field(metadata=bounded(1))
     base_digest: str
     software: str
 
@@ -185,14 +258,15 @@ class Register(Message):
 class RoundInfo(Message):
     """coordinator -> all on .../round (retained, QoS 1): the open round and where its base model is."""
 
-    round: int
-    rounds: int
-    state: str  # "open" (train on this base and send an update) or "finished" (the base is the final model)
+    round: int = field(metadata=bounded(1))
+    rounds: int = field(metadata=bounded(1))
+    state: str = field(metadata={"choices": ("open", "finished")})  # "open": train on this base and send an
+    # update; "finished": the base is the final model
     deadline: float  # unix seconds
-    blob_id: str
+    blob_id: str = field(metadata={"pattern": NAME_RE})
     size: int
-    sha256: str
-    count: int
+    sha256: str = field(metadata={"pattern": _SHA256_HEX})
+    count: int = field(metadata=bounded(1))
     base_digest: str
 
 
@@ -201,7 +275,7 @@ class UpdateMeta(Message):
     """The `meta` object of every chunk of an update blob."""
 
     round: int
-    n_samples: int
+    n_samples: int = field(metadata=bounded(1))
     base_digest: str
     metrics: dict[str, float] = field(default_factory=dict)
     codec: str = "fp32"  # fedper.compression codec of the blob: fp32, fp16, int8 or int8-delta
@@ -213,7 +287,7 @@ class ErrorMessage(Message):
     """coordinator -> device on .../error/<device> (QoS 1, not retained)."""
 
     code: str
-    message: str
+    message: str = field(metadata={"max_length": MAX_ERROR_TEXT})
     round: int | None = None
     _optional: ClassVar[frozenset[str]] = frozenset({"round"})
 
@@ -297,10 +371,10 @@ def decode_chunk(payload: bytes, *, max_blob_size: int | None = None) -> Chunk:
         raise WireError("bad_chunk", f"chunk header lacks {e}") from None
     ints = {"index": c.index, "count": c.count, "size": c.size, "chunk_size": c.chunk_size}
     for name, value in ints.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise WireError("bad_chunk", f"chunk {name} must be a non-negative integer, got {value!r}")
+        if not _is_int(value) or not 0 <= value <= MAX_JSON_INT:
+            raise WireError("bad_chunk", f"chunk {name} must be an integer in 0..{MAX_JSON_INT}, got {_shown(value)}")
     if not isinstance(c.blob_id, str) or not NAME_RE.match(c.blob_id):
-        raise WireError("bad_chunk", f"chunk blob_id {c.blob_id!r} must match {NAME_RE.pattern}")
+        raise WireError("bad_chunk", f"chunk blob_id {_shown(c.blob_id)} must match {NAME_RE.pattern}")
     if not isinstance(c.sha256, str) or not re.fullmatch(r"[0-9a-f]{64}", c.sha256):
         raise WireError("bad_chunk", "chunk sha256 must be 64 lowercase hex digits")
     if not isinstance(c.meta, dict):
@@ -329,119 +403,167 @@ class Blob:
 class _Partial:
     first: Chunk
     parts: dict[int, bytes] = field(default_factory=dict)  # index -> data: memory grows with what arrived
+    cost: int = 0  # bytes charged to its source (Reassembler)
 
 
 class Reassembler:
-    """Collects chunks (in any order) into blobs, per source.
+    """Collects chunks (in any order) into blobs, per source, within quotas that keep sources apart.
 
-    Memory is bounded: a blob may declare at most `max_blob_size` bytes, and at most
-    `max_open_blobs` partial blobs are kept (the least recently fed one is dropped first).
+    A blob may declare at most `max_blob_size` bytes. A source holds at most `max_blobs_per_source`
+    partial blobs and `max_bytes_per_source` bytes in them: a new blob or chunk beyond either
+    displaces that source's own least recently fed partial blobs, never another source's. All
+    sources together hold at most `max_open_blobs` partial blobs and `max_bytes` bytes: a newcomer
+    that does not fit is refused (`over_quota`) and evicts nobody, so one source's flood is its
+    own problem. Bytes are what arrived plus what holding it costs (CHUNK_COST, PARTIAL_COST),
+    never what a blob declares.
     """
 
-    def __init__(self, max_blob_size: int, max_open_blobs: int = 64) -> None:
+    CHUNK_COST = 128  # bytes charged per stored chunk beyond its data: a bytes object and a dict slot
+    PARTIAL_COST = 4096  # bytes charged per partial blob: its first chunk's header, meta included
+
+    def __init__(self, max_blob_size: int, max_open_blobs: int = 64, *, max_blobs_per_source: int | None = None,
+                 max_bytes_per_source: int | None = None, max_bytes: int | None = None) -> None:
         self.max_blob_size = max_blob_size
         self.max_open_blobs = max_open_blobs
-        self._open: OrderedDict[tuple[str, str], _Partial] = OrderedDict()
-        self.evicted = 0
+        self.max_blobs_per_source = max_blobs_per_source or max_open_blobs
+        self.max_bytes_per_source = max_bytes_per_source or 2 * max_blob_size + self.PARTIAL_COST
+        self.max_bytes = max_bytes or max_open_blobs * self.max_bytes_per_source
+        self._open: dict[str, OrderedDict[str, _Partial]] = {}  # source -> blob_id -> partial, least recent first
+        self._source_bytes: dict[str, int] = {}
+        self._count = 0  # partial blobs of all sources
+        self.bytes = 0  # held by all partial blobs, as charged
+        self.evicted = 0  # partial blobs displaced by a newer one of the same source
 
     def __len__(self) -> int:
-        return len(self._open)
+        return self._count
 
     def add(self, source: str, payload: bytes | Chunk) -> Blob | None:
-        """The complete blob when this chunk completes it, else None; WireError for a bad chunk."""
+        """The complete blob when this chunk completes it, else None; WireError for a bad chunk,
+        `over_quota` for one that does not fit (its blob is dropped)."""
         c = payload if isinstance(payload, Chunk) else decode_chunk(payload, max_blob_size=self.max_blob_size)
         if c.size > self.max_blob_size:
             raise WireError("bad_chunk", f"oversized blob: {c.size} bytes declared, the limit is {self.max_blob_size}")
-        key = (source, c.blob_id)
-        partial = self._open.get(key)
+        blobs = self._open.setdefault(source, OrderedDict())
+        partial = blobs.get(c.blob_id)
         if partial is None:
-            while len(self._open) >= self.max_open_blobs:
-                self._open.popitem(last=False)
-                self.evicted += 1
-            partial = self._open[key] = _Partial(c)
-        self._open.move_to_end(key)
+            self._make_room_for_blob(source, blobs)
+            partial = blobs[c.blob_id] = _Partial(c)
+            self._count += 1
+            self._charge(source, partial, self.PARTIAL_COST)
+        blobs.move_to_end(c.blob_id)
         first = partial.first
         if (c.count, c.size, c.chunk_size, c.sha256, c.meta) != (
             first.count, first.size, first.chunk_size, first.sha256, first.meta
         ):
-            del self._open[key]
+            self._drop(source, c.blob_id)
             raise WireError("bad_chunk", f"inconsistent chunk {c.index} of {c.blob_id}: its header differs from chunk "
                             f"{first.index}'s")
         if c.index in partial.parts:
             if partial.parts[c.index] != c.data:
-                del self._open[key]
+                self._drop(source, c.blob_id)
                 raise WireError("bad_chunk", f"chunk {c.index} of {c.blob_id} sent twice with different content")
             return None
+        self._make_room_for_bytes(source, c.blob_id, len(c.data) + self.CHUNK_COST)
         partial.parts[c.index] = c.data
+        self._charge(source, partial, len(c.data) + self.CHUNK_COST)
         if len(partial.parts) < c.count:
             return None
-        del self._open[key]
+        self._drop(source, c.blob_id)
         data = b"".join(partial.parts[i] for i in range(c.count))  # one copy, into the blob's only buffer
         if hashlib.sha256(data).hexdigest() != c.sha256:
             raise WireError("bad_chunk", f"corrupt blob {c.blob_id}: sha256 mismatch")
         return Blob(c.blob_id, data, c.meta)
 
+    def _make_room_for_blob(self, source: str, blobs: OrderedDict[str, _Partial]) -> None:
+        """Before a source's new blob: displace its own oldest partials while it is at its count, or
+        while everyone together is; refuse the blob when the source has none left to give."""
+        while blobs and (len(blobs) >= self.max_blobs_per_source or len(self) >= self.max_open_blobs
+                         or self.bytes + self.PARTIAL_COST > self.max_bytes):
+            self._displace(source, next(iter(blobs)))
+        if len(self) >= self.max_open_blobs or self.bytes + self.PARTIAL_COST > self.max_bytes:
+            self._forget_if_empty(source)
+            raise WireError("over_quota", f"the receiver holds its maximum of partial blobs ({len(self)} blobs, "
+                            f"{self.bytes} bytes): try again later")
+
+    def _make_room_for_bytes(self, source: str, blob_id: str, cost: int) -> None:
+        """Before storing a chunk: displace the source's own other partials while it or everyone
+        together would pass the byte quota; if that is not enough, drop this blob and refuse it."""
+        blobs = self._open[source]
+        for older in [b for b in blobs if b != blob_id]:
+            if not self._over_bytes(source, cost):
+                break
+            self._displace(source, older)
+        if self._over_bytes(source, cost):
+            mine, everyone = self._source_bytes.get(source, 0), self.bytes
+            self._drop(source, blob_id)
+            raise WireError("over_quota", f"blob {blob_id} does not fit the reassembly quota (this device: "
+                            f"{mine + cost} of {self.max_bytes_per_source} bytes; everyone: {everyone + cost} of "
+                            f"{self.max_bytes}): send larger chunks, or try again later")
+
+    def _over_bytes(self, source: str, cost: int) -> bool:
+        return (self._source_bytes.get(source, 0) + cost > self.max_bytes_per_source
+                or self.bytes + cost > self.max_bytes)
+
+    def _charge(self, source: str, partial: _Partial, cost: int) -> None:
+        partial.cost += cost
+        self._source_bytes[source] = self._source_bytes.get(source, 0) + cost
+        self.bytes += cost
+
+    def _displace(self, source: str, blob_id: str) -> None:
+        self._drop(source, blob_id)
+        self.evicted += 1
+
+    def _drop(self, source: str, blob_id: str) -> None:
+        partial = self._open[source].pop(blob_id)
+        self._count -= 1
+        self._source_bytes[source] -= partial.cost
+        self.bytes -= partial.cost
+        self._forget_if_empty(source)
+
+    def _forget_if_empty(self, source: str) -> None:
+        if not self._open.get(source):
+            self._open.pop(source, None)
+            self._source_bytes.pop(source, None)
+
     def discard(self, source: str | None = None) -> None:
         """Drop partial blobs (of one source, or all): e.g. when a round closes."""
-        for key in [k for k in self._open if source is None or k[0] == source]:
-            del self._open[key]
-
-
-# ---------------------------------------------------------------- parameters
-
-
-def model_frames(manifest: Manifest, tensors: Mapping[str, np.ndarray], blob_id: str, round_: int,
-                 chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[bytes, list[bytes]]:
-    """(blob, chunk frames) of a base model for a round: the shared tensors only."""
-    blob = pack_shared(manifest, tensors)
-    return blob, chunk(blob, chunk_size, blob_id, {"round": round_})
-
-
-def update_frames(manifest: Manifest, tensors: Mapping[str, np.ndarray], meta: UpdateMeta, blob_id: str,
-                  chunk_size: int = DEFAULT_CHUNK_SIZE, base: Mapping[str, np.ndarray] | None = None) -> list[bytes]:
-    """Chunk frames of a device's update (`update_blob`), each chunk carrying `meta`."""
-    fields_ = {k: v for k, v in json.loads(meta.encode()).items() if k != "v"}
-    return chunk(update_blob(manifest, tensors, meta.codec, base), chunk_size, blob_id, fields_)
-
-
-def update_blob(manifest: Manifest, tensors: Mapping[str, np.ndarray], codec: str = "fp32",
-                base: Mapping[str, np.ndarray] | None = None) -> bytes:
-    """A device's update blob: the shared tensors through `codec`, BatchNorm running statistics
-    (not trainable) always exact; `base` is the round's model, which a delta codec encodes against.
-    pack_shared runs first in every case: it is what refuses device-local tensors; a compressing
-    codec then re-encodes exactly the tensors it accepted."""
-    blob = pack_shared(manifest, tensors)
-    if codec == "fp32":
-        return blob
-    shared = manifest.shared_tensors
-    return compression.pack({t.name: tensors[t.name] for t in shared}, codec,
-                            exact={t.name for t in shared if not t.trainable}, reference=base)
-
-
-def decode_tensors(manifest: Manifest, blob: bytes, codec: str | None = None,
-                   base: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-    """The blob's shared tensors, decompressed when it says so (`fedper.codec` in its metadata) and
-    validated against the manifest (layout, dtype, shape, NaN/Inf); any refusal is
-    WireError("bad_tensors"). `codec`, when given, is what the sender announced: it must match.
-    `base`: the round's model, for an update whose codec encodes the difference from it."""
-    try:
-        blob_codec = compression.codec_of(blob)
-        if codec is not None and codec != blob_codec:
-            raise WireError("bad_tensors", f"the update announces codec {codec!r}, its blob is {blob_codec!r}")
-        if blob_codec == "fp32":
-            return unpack_shared(manifest, blob)
-        _, tensors = compression.unpack(blob, base)
-        check_shared(manifest, tensors, what="unpack")
-        return {t.name: tensors[t.name] for t in manifest.shared_tensors}
-    except (TensorError, compression.CodecError) as e:
-        raise WireError("bad_tensors", str(e)) from None
+        for name in [source] if source is not None else list(self._open):
+            for blob_id in list(self._open.get(name, ())):
+                self._drop(name, blob_id)
 
 
 def decode_update_meta(meta: Mapping[str, Any]) -> UpdateMeta:
-    return UpdateMeta.decode(json.dumps({"v": VERSION, **meta}).encode())
+    """The `meta` object of an update chunk, every field checked (it came parsed in the chunk's header)."""
+    return UpdateMeta.from_dict(meta)
 
 
-def max_shared_blob_size(manifest: Manifest) -> int:
-    """An upper bound for pack_shared's output: data bytes plus generous room for the safetensors header."""
-    data = sum(int(np.prod(t.shape, dtype=np.int64)) * np.dtype(t.dtype).itemsize for t in manifest.shared_tensors)
-    return data + 256 * len(manifest.shared_tensors) + 4096
+# ---------------------------------------------------------------- parameters: see fedper.payload
+# TEMP(lead): edge migration: the names edge/ and its tests still import, as thin aliases of fedper.payload
+# (imported inside each function: fedper.payload imports this module).
+
+
+def update_blob(manifest: Any, tensors: Any, codec: str = "fp32",  # TEMP(lead): edge migration
+                base: Any = None) -> bytes:
+    from fedper.payload import encode_shared
+
+    return encode_shared(manifest, tensors, codec, base)
+
+
+def update_frames(manifest: Any, tensors: Any, meta: UpdateMeta, blob_id: str,  # TEMP(lead): edge migration
+                  chunk_size: int = DEFAULT_CHUNK_SIZE, base: Any = None) -> list[bytes]:
+    from fedper.payload import encode_shared
+
+    return chunk(encode_shared(manifest, tensors, meta.codec, base), chunk_size, blob_id, meta.to_dict())
+
+
+def decode_tensors(manifest: Any, blob: bytes, codec: str | None = None,  # TEMP(lead): edge migration
+                   base: Any = None) -> Any:
+    from fedper.payload import decode_shared
+
+    return decode_shared(manifest, blob, codec, base)
+
+
+def max_shared_blob_size(manifest: Any) -> int:  # TEMP(lead): edge migration
+    from fedper.payload import max_blob_size
+
+    return max_blob_size(manifest)

@@ -12,7 +12,8 @@ from vectors.make_vectors import tiny_manifest, tiny_tensors
 
 from fedper.coordinator.engine import Config, Coordinator
 from fedper.coordinator.store import Store
-from fedper.wire import ErrorMessage, Register, RoundInfo, Topics, UpdateMeta, chunk, update_frames
+from fedper.payload import encode_shared
+from fedper.wire import ErrorMessage, Register, RoundInfo, Topics, UpdateMeta, chunk
 
 MANIFEST = tiny_manifest()
 TOPICS = Topics("lab")
@@ -31,7 +32,7 @@ def send(c: Coordinator, device: str, tensors: dict, n: int, round_: int | None 
          digest: str = MANIFEST.base_digest, now: float = 1.0, codec: str = "fp32") -> list:
     meta = UpdateMeta(c.round.number if round_ is None else round_, n, digest, {"accuracy": n / 100}, codec)
     out = []
-    for frame in update_frames(MANIFEST, tensors, meta, blob_id, chunk_size=40, base=c.model):
+    for frame in chunk(encode_shared(MANIFEST, tensors, codec, base=c.model), 40, blob_id, meta.to_dict()):
         out += c.handle(TOPICS.update(device), frame, now)
     return out
 
@@ -74,7 +75,7 @@ def test_round_aggregates_n_weighted_and_checkpoints(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("case", ["unknown", "late", "future", "duplicate", "digest", "nan", "shape", "dtype",
-                                  "corrupt", "oversized", "garbage", "zero_n", "bad_meta"])
+                                  "corrupt", "oversized", "garbage", "zero_n", "other_n", "bad_meta"])
 def test_bad_updates_are_counted_answered_and_never_aggregated(tmp_path: Path, case: str) -> None:
     c = make(tmp_path, min_clients=1)
     c.start(0.0)
@@ -85,7 +86,7 @@ def test_bad_updates_are_counted_answered_and_never_aggregated(tmp_path: Path, c
     code = {"unknown": "unknown_device", "late": "late_update", "future": "late_update", "duplicate":
             "duplicate_update", "digest": "digest_mismatch", "nan": "bad_tensors", "shape": "bad_tensors",
             "dtype": "bad_tensors", "corrupt": "bad_chunk", "oversized": "bad_chunk", "garbage": "bad_chunk",
-            "zero_n": "rejected", "bad_meta": "bad_message"}[case]
+            "zero_n": "bad_message", "other_n": "n_samples_mismatch", "bad_meta": "bad_message"}[case]
     if case in ("nan", "shape", "dtype", "oversized", "bad_meta"):
         from safetensors.numpy import save
 
@@ -100,14 +101,14 @@ def test_bad_updates_are_counted_answered_and_never_aggregated(tmp_path: Path, c
         for frame in chunk(save(bad), 40, "u", meta):
             out += c.handle(TOPICS.update(device), frame, 1.0)
     elif case in ("corrupt", "garbage"):
-        frames = update_frames(MANIFEST, tensors, UpdateMeta(1, 10, MANIFEST.base_digest), "u", 40)
+        frames = chunk(encode_shared(MANIFEST, tensors), 40, "u", UpdateMeta(1, 10, MANIFEST.base_digest).to_dict())
         frames[1] = frames[1][:-1] + bytes([frames[1][-1] ^ 1]) if case == "corrupt" else b"\x00garbage"
         out = [m for f in frames for m in c.handle(TOPICS.update(device), f, 1.0)]
     else:
         if case == "unknown":
             device = "stranger"
         kwargs = {"late": {"round_": 0}, "future": {"round_": 7}, "digest": {"digest": "sha256:other"},
-                  "zero_n": {"n": 0}}.get(case, {})
+                  "zero_n": {"n": 0}, "other_n": {"n": 11}}.get(case, {})
         out = send(c, device, tensors, **{"n": 10, **kwargs})
     before = {k: v.copy() for k, v in c.model.items()}
     assert errors(out) == [code]  # answered once per blob, not once per chunk
@@ -278,13 +279,13 @@ def test_cli_bad_input_is_one_clear_line(tmp_path: Path, args: list[str], messag
     from typer.testing import CliRunner
 
     from fedper.coordinator.cli import app
-    from fedper.tensors import pack_shared
+    from fedper.payload import encode_shared
 
     artifacts = tmp_path / "export"
     artifacts.mkdir()
     if args:
         MANIFEST.save(artifacts)
-        (artifacts / "base.safetensors").write_bytes(pack_shared(MANIFEST, tiny_tensors()))
+        (artifacts / "base.safetensors").write_bytes(encode_shared(MANIFEST, tiny_tensors()))
     result = CliRunner().invoke(app, ["--artifacts", str(artifacts), "--fleet", "lab", "--rounds", "1",
                                       "--state-dir", str(tmp_path / "s"), *(args or ["--broker", "mqtt://x"])])
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
@@ -314,7 +315,7 @@ def test_arbitrary_messages_never_raise_or_change_the_model(tmp_path: Path) -> N
     c = make(tmp_path, min_clients=1)
     c.start(0.0)
     register(c, "a", 10)
-    frames = update_frames(MANIFEST, shifted(1.0), UpdateMeta(1, 10, MANIFEST.base_digest), "u", 40)
+    frames = chunk(encode_shared(MANIFEST, shifted(1.0)), 40, "u", UpdateMeta(1, 10, MANIFEST.base_digest).to_dict())
     before = {k: v.copy() for k, v in c.model.items()}
     kinds = st.sampled_from(["register", "update", "presence", "round", "error"])
     devices = st.sampled_from(["a", "b", "+", ""])

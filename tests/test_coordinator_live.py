@@ -26,7 +26,7 @@ from fedper.coordinator.service import run_service
 from fedper.coordinator.store import Store
 from fedper.manifest import Manifest
 from fedper.mqtt import connect_async, make_client, parse_broker_url
-from fedper.tensors import pack_shared
+from fedper.payload import decode_shared, encode_shared, max_blob_size
 from fedper.wire import (
     DEFAULT_CHUNK_SIZE,
     ErrorMessage,
@@ -38,10 +38,7 @@ from fedper.wire import (
     WireError,
     chunk,
     decode_frame,
-    decode_tensors,
     encode_frame,
-    max_shared_blob_size,
-    update_frames,
 )
 
 pytestmark = pytest.mark.mosquitto
@@ -61,7 +58,7 @@ class Device:
         self.rounds: dict[str, RoundInfo] = {}
         self.blobs: dict[str, bytes] = {}
         self.latest: RoundInfo | None = None
-        self._reassembler = Reassembler(max_shared_blob_size(manifest))
+        self._reassembler = Reassembler(max_blob_size(manifest))
         self.client = make_client(f"dev-{name}", protocol=protocol, will=(TOPICS.presence(name), b"offline"),
                                   **client_options)
         self.client.on_connect = self._on_connect
@@ -93,7 +90,7 @@ class Device:
         if info and info.state == "open" and info.blob_id in self.blobs and info.round not in self.answered:
             self.answered.add(info.round)
             if self.respond:
-                base = decode_tensors(self.manifest, self.blobs[info.blob_id])
+                base = decode_shared(self.manifest, self.blobs[info.blob_id])
                 threading.Timer(self.delay, self.send, (info.round, base)).start()
 
     def update(self, base: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -102,7 +99,8 @@ class Device:
     def send(self, round_: int, base: dict[str, np.ndarray], **meta_overrides) -> None:  # type: ignore[no-untyped-def]
         meta = UpdateMeta(**{"round": round_, "n_samples": self.n, "base_digest": self.manifest.base_digest,
                              "metrics": {"accuracy": 0.5 + self.delta / 10}, **meta_overrides})
-        for frame in update_frames(self.manifest, self.update(base), meta, f"r{round_}-{self.name}", self.chunk_size):
+        blob = encode_shared(self.manifest, self.update(base), meta.codec)
+        for frame in chunk(blob, self.chunk_size, f"r{round_}-{self.name}", meta.to_dict()):
             self.client.publish(TOPICS.update(self.name), frame, qos=1)
 
     def close(self) -> None:
@@ -187,7 +185,7 @@ def test_deadline_closes_round_without_the_silent_device(mosquitto, tmp_path: Pa
 def write_artifacts(directory: Path, manifest: Manifest, initial: dict[str, np.ndarray]) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     manifest.save(directory)
-    (directory / "base.safetensors").write_bytes(pack_shared(manifest, initial))
+    (directory / "base.safetensors").write_bytes(encode_shared(manifest, initial))
     return directory
 
 
@@ -257,7 +255,7 @@ def test_bad_messages_against_a_live_coordinator(mosquitto, tmp_path: Path) -> N
                                                                                delay=0.5)]
     evil = Device(mosquitto.url, "evil", 5, 100.0, manifest, respond=False)
     wait_for(lambda: "r1" in evil.blobs and len(coordinator.registered) == 3, 10, "round 1 and registrations")
-    base = decode_tensors(manifest, evil.blobs["r1"])
+    base = decode_shared(manifest, evil.blobs["r1"])
     evil.send(0, base)  # late: a round that is not open
     evil.send(1, base, base_digest="sha256:" + "0" * 64)  # wrong digest
     publish = evil.client.publish
@@ -271,7 +269,7 @@ def test_bad_messages_against_a_live_coordinator(mosquitto, tmp_path: Path) -> N
     publish(TOPICS.update(evil.name), lie, qos=1)
     stranger = make_client("dev-stranger")
     connect_async(stranger, parse_broker_url(mosquitto.url))
-    for frame in update_frames(manifest, base, UpdateMeta(1, 5, manifest.base_digest), "x", 1000):
+    for frame in chunk(encode_shared(manifest, base), 1000, "x", UpdateMeta(1, 5, manifest.base_digest).to_dict()):
         stranger.publish(TOPICS.update("stranger"), frame, qos=1)
     wrong_shape = {**base, "stem.bias": np.zeros(3, np.float32)}
     for frame in chunk(save(wrong_shape), 1000, "shape", meta):
@@ -300,7 +298,7 @@ def test_chunks_pass_a_broker_with_aws_iot_128kb_limit(mosquitto_factory, tmp_pa
     manifest = describe(model, architecture="mobilenet_v1", kp=1, algorithm="fedper", input_size=32, width=0.25)
     state = {k: v.numpy() for k, v in exported_state(model).items()}
     initial = {t.name: state[t.name] for t in manifest.shared_tensors}
-    blob = pack_shared(manifest, initial)
+    blob = encode_shared(manifest, initial)
     assert len(blob) > 4 * 128 * 1024
     broker = mosquitto_factory("message_size_limit 131072\nmax_packet_size 131072")
 

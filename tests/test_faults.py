@@ -41,7 +41,8 @@ from vectors.make_vectors import tiny_manifest, tiny_tensors
 
 from fedper.edge.state import TENSORS_FILE, DeviceState
 from fedper.manifest import Manifest
-from fedper.wire import decode_chunk, decode_tensors
+from fedper.payload import decode_shared
+from fedper.wire import decode_chunk
 
 pytestmark = pytest.mark.mosquitto
 
@@ -140,9 +141,9 @@ def test_slow_device_update_for_a_closed_round_is_rejected_and_counted(mosquitto
     fast = [Device(mosquitto.url, "a", 10, 1.0, manifest), Device(mosquitto.url, "b", 30, 2.0, manifest)]
     slow = Device(mosquitto.url, "slow", 60, -1.0, manifest, respond=False)
     wait_for(lambda: "r2" in slow.blobs and slow.latest.round == 2, 20, "round 2 at the slow device")
-    slow.send(1, decode_tensors(manifest, slow.blobs["r1"]))
+    slow.send(1, decode_shared(manifest, slow.blobs["r1"]))
     wait_for(lambda: slow.errors, 5, "the answer to the late update")
-    slow.send(2, decode_tensors(manifest, slow.blobs["r2"]))
+    slow.send(2, decode_shared(manifest, slow.blobs["r2"]))
     thread.join(30)
     for d in [*fast, slow]:
         d.close()
@@ -180,7 +181,7 @@ def test_coordinator_disk_full_keeps_the_checkpoint_and_resumes(mosquitto, tmp_p
     assert "Traceback" not in out
     assert (state / "state.json").read_bytes() == checkpoint
     assert not list(state.glob(".*.tmp"))
-    assert decode_tensors(manifest, (state / "model-r1.safetensors").read_bytes()).keys() == initial.keys()
+    assert decode_shared(manifest, (state / "model-r1.safetensors").read_bytes()).keys() == initial.keys()
 
     filler.unlink()
     resumed = processes.start("coordinator-2", *args)
@@ -211,7 +212,7 @@ def test_agent_disk_full_keeps_its_last_state_and_rejoins(mosquitto, tmp_path: P
         filler = fill(small_fs)
         before = hashlib.sha256((state / TENSORS_FILE).read_bytes()).hexdigest()
         helper.respond = True
-        helper.send(1, decode_tensors(manifest, helper.blobs["r1"]))
+        helper.send(1, decode_shared(manifest, helper.blobs["r1"]))
         assert finish(agent, 30, "the agent", processes.log("dev0")) == 2
         out = processes.log("dev0")
         assert "(disk full)" in out and "the previous state is kept" in out and "Traceback" not in out

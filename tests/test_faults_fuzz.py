@@ -34,7 +34,8 @@ from test_coordinator_live import (
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
 from fedper.manifest import Manifest
-from fedper.wire import Register, UpdateMeta, chunk, decode_frame, decode_tensors, encode_frame, update_frames
+from fedper.payload import decode_shared, encode_shared
+from fedper.wire import Register, UpdateMeta, chunk, decode_frame, encode_frame
 
 pytestmark = pytest.mark.mosquitto
 FUZZ_SECONDS = 6.0
@@ -121,11 +122,11 @@ def test_fuzzing_a_live_coordinator_changes_nothing(mosquitto, tmp_path: Path, p
     evil = Device(mosquitto.url, EVIL, 5, 100.0, manifest, respond=False)
     wait_for(lambda: len((saved_state(state) or {}).get("registered", {})) == 3 and "r1" in evil.blobs, 20,
              "registrations and round 1")
-    base = decode_tensors(manifest, evil.blobs["r1"])
+    base = decode_shared(manifest, evil.blobs["r1"])
     good[0].send(1, base)
     wait_for(lambda: "a" in saved_state(state)["round"]["folded"], 10, "a's round-1 update")
-    replay = update_frames(manifest, good[0].update(base), UpdateMeta(1, 10, manifest.base_digest,
-                                                                      {"accuracy": 0.6}), "r1-a", 1000)
+    replay = chunk(encode_shared(manifest, good[0].update(base)), 1000, "r1-a",
+                   UpdateMeta(1, 10, manifest.base_digest, {"accuracy": 0.6}).to_dict())
     assert len(replay) == 1
 
     rng = np.random.default_rng(20261122)
@@ -149,7 +150,7 @@ def test_fuzzing_a_live_coordinator_changes_nothing(mosquitto, tmp_path: Path, p
     for frame in replay:  # round 1's update replayed in round 2
         good[0].client.publish(TOPICS.update("a"), frame, qos=1)
     counted += 1
-    base2 = decode_tensors(manifest, evil.blobs["r2"])
+    base2 = decode_shared(manifest, evil.blobs["r2"])
     for d in good:
         d.send(2, base2)
     assert finish(coordinator, 30, "the coordinator", processes.log("coordinator")) == 0

@@ -12,7 +12,7 @@ from fedper.aggregation import WeightedMean, weighted_mean
 from fedper.algorithms import ALGORITHMS, check_kp, get_algorithm
 from fedper.manifest import Manifest, ManifestError
 from fedper.models import build_model, describe, exported_state
-from fedper.tensors import TensorError, pack_shared, unpack_shared
+from fedper.payload import PayloadError, decode_shared, encode_shared
 
 
 @pytest.fixture(scope="module")
@@ -52,24 +52,25 @@ def test_lg_fedavg_shares_the_head_and_keeps_the_base() -> None:
     assert manifest.names(shared=True) == ["classifier.weight", "classifier.bias"]
 
 
-def test_pack_refuses_head_tensors_and_unpack_validates(tiny) -> None:
+def test_encode_refuses_head_tensors_and_decode_validates(tiny) -> None:
     _, manifest, state = tiny
-    with pytest.raises(TensorError, match="never leave a device"):
-        pack_shared(manifest, state)
+    for codec in ("fp32", "fp16", "int8", "int8-delta"):
+        with pytest.raises(PayloadError, match="never leave a device"):
+            encode_shared(manifest, state, codec, base=state)
     shared = {n: state[n] for n in manifest.names(shared=True)}
-    blob = pack_shared(manifest, shared)
-    decoded = unpack_shared(manifest, blob)
+    blob = encode_shared(manifest, shared)
+    decoded = decode_shared(manifest, blob)
     assert all(np.array_equal(decoded[n], shared[n]) for n in shared)
     assert not any(n.encode() in blob for n in manifest.names(shared=False))
 
-    with pytest.raises(TensorError, match="not a valid safetensors"):
-        unpack_shared(manifest, blob[:-5])
+    with pytest.raises(PayloadError, match="not a valid safetensors"):
+        decode_shared(manifest, blob[:-5])
     bad = dict(shared, **{"blocks.0.0.weight": np.full_like(shared["blocks.0.0.weight"], np.nan)})
-    with pytest.raises(TensorError, match="NaN or Inf"):
-        pack_shared(manifest, bad)
+    with pytest.raises(PayloadError, match="NaN or Inf"):
+        encode_shared(manifest, bad)
     wrong = dict(shared, **{"blocks.0.0.weight": shared["blocks.0.0.weight"].astype(np.float64)})
-    with pytest.raises(TensorError, match="float64"):
-        pack_shared(manifest, wrong)
+    with pytest.raises(PayloadError, match="float64"):
+        encode_shared(manifest, wrong)
 
 
 def test_weighted_mean_uses_sample_counts_not_update_counts() -> None:

@@ -25,7 +25,8 @@ from fedper.coordinator.engine import Config, Coordinator
 from fedper.coordinator.service import run_service
 from fedper.coordinator.store import Store
 from fedper.mqtt import parse_broker_url
-from fedper.wire import ErrorMessage, Register, RoundInfo, model_frames
+from fedper.payload import encode_shared
+from fedper.wire import ErrorMessage, Register, RoundInfo, chunk
 
 pytestmark = pytest.mark.mosquitto
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
@@ -63,7 +64,8 @@ def test_a_device_cannot_forge_registrations_presence_or_coordinator_messages(ac
     wait_for(lambda: attacker.latest is not None and victim.latest is not None, 10, "round 1 at both devices")
 
     forged_round = RoundInfo(1, 1, "finished", time.time(), "evil", 10, "0" * 64, 1, manifest.base_digest)
-    _, evil_frames = model_frames(manifest, {k: v * 0 + 1e6 for k, v in initial.items()}, "r1", 1)
+    evil_frames = chunk(encode_shared(manifest, {k: v * 0 + 1e6 for k, v in initial.items()}), blob_id="r1",
+                        meta={"round": 1})
     forgeries = [
         (TOPICS.register("dev-b"), Register(999, manifest.base_digest, "forged").encode()),
         (TOPICS.register("dev-c"), Register(5, manifest.base_digest, "forged").encode()),

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
+import struct
 import tracemalloc
+import zlib
 
 import numpy as np
 import pytest
@@ -12,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
-from fedper.tensors import TensorError
+from fedper.payload import PayloadError, decode_shared, encode_shared
 from fedper.wire import (
     DEFAULT_CHUNK_SIZE,
     ErrorMessage,
@@ -25,9 +28,7 @@ from fedper.wire import (
     chunk,
     decode_chunk,
     decode_frame,
-    decode_tensors,
     encode_frame,
-    update_frames,
 )
 
 blobs = st.binary(min_size=0, max_size=3000)
@@ -133,13 +134,84 @@ def test_inconsistent_chunk_headers_are_refused() -> None:
             decode_chunk(encode_frame({**header, **bad}, data))
 
 
-def test_open_blobs_are_bounded() -> None:
+def raw_chunk(blob: bytes, blob_id: str, index: int, chunk_size: int) -> bytes:
+    """Chunk `index` of `blob` framed by hand (struct + json + zlib), as a third-party client would."""
+    count = max(1, -(-len(blob) // chunk_size))
+    header = json.dumps({"v": 1, "blob_id": blob_id, "index": index, "count": count, "size": len(blob),
+                         "chunk_size": chunk_size, "sha256": hashlib.sha256(blob).hexdigest(), "meta": {}}).encode()
+    body = blob[index * chunk_size : (index + 1) * chunk_size]
+    return struct.pack(">II", len(header), zlib.crc32(header + body)) + header + body
+
+
+def test_reassembler_refuses_newcomers_when_full_and_evicts_nobody() -> None:
     r = Reassembler(1 << 20, max_open_blobs=4)
     for i in range(100):
-        r.add(f"dev{i}", chunk(b"x" * 20, 10, f"b{i}")[0])
-    assert len(r) == 4 and r.evicted == 96
-    last = chunk(b"x" * 20, 10, "b99")
-    assert r.add("dev99", last[1]).data == b"x" * 20  # the most recent survive
+        if i < 4:
+            assert r.add(f"dev{i}", raw_chunk(b"x" * 20, f"b{i}", 0, 10)) is None
+        else:
+            with pytest.raises(WireError) as refused:
+                r.add(f"dev{i}", raw_chunk(b"x" * 20, f"b{i}", 0, 10))
+            assert refused.value.code == "over_quota"
+    assert len(r) == 4 and r.evicted == 0
+    for i in range(4):  # the first four, already in flight, all complete
+        assert r.add(f"dev{i}", raw_chunk(b"x" * 20, f"b{i}", 1, 10)).data == b"x" * 20
+    assert len(r) == 0 and r.bytes == 0
+
+
+def test_reassembler_flood_of_one_byte_chunks_displaces_only_the_flooders_own_blobs() -> None:
+    """One source opens 20,000 blobs of one-byte chunks and never finishes any, between the chunks
+    of three honest sources' half-sent blobs: the honest blobs all complete, the flooder keeps at
+    most its own quota of partial blobs, and the memory held stays within the flooder's byte quota."""
+    honest = {f"dev{i}": bytes(range(i, i + 200)) for i in range(3)}
+    r = Reassembler(4096, max_open_blobs=8, max_blobs_per_source=2, max_bytes_per_source=16384)
+    for device, blob in honest.items():
+        for index in range(10):
+            assert r.add(device, raw_chunk(blob, "update", index, 10)) is None
+    held_by_honest = r.bytes
+    for n in range(20_000):
+        r.add("flooder", raw_chunk(bytes(4096), f"f{n}", n % 4096, 1))
+        assert r.bytes <= held_by_honest + 16384
+    assert len(r) == 3 + 2 and r.evicted == 20_000 - 2
+    for device, blob in honest.items():
+        done = [r.add(device, raw_chunk(blob, "update", index, 10)) for index in range(10, 20)]
+        assert done[-1].data == blob
+    r.discard("flooder")
+    assert len(r) == 0 and r.bytes == 0
+
+
+def test_reassembler_byte_quota_per_source() -> None:
+    """A source past its byte quota loses its own older partial blob first; a blob that alone
+    costs more than the quota (tiny chunks charge their holding cost) is refused."""
+    r = Reassembler(10_000, max_bytes_per_source=12_000)
+    big = bytes(6000)
+    for index in range(5):
+        r.add("a", raw_chunk(big, "old", index, 1000))
+    r.add("b", raw_chunk(big, "other", 0, 1000))
+    for index in range(5):
+        r.add("a", raw_chunk(big, "new", index, 1000))
+    assert r.evicted == 1 and len(r) == 2  # "old" made room for "new"; "b" untouched
+    assert r.add("a", raw_chunk(big, "new", 5, 1000)).data == big
+    with pytest.raises(WireError) as refused:
+        for index in range(1000):
+            r.add("a", raw_chunk(bytes(1000), "tiny", index, 1))
+    assert refused.value.code == "over_quota" and len(r) == 1
+    assert r.add("b", raw_chunk(big, "other", 1, 1000)) is None
+
+
+def test_reassembler_global_byte_cap_refuses_the_newcomer() -> None:
+    r = Reassembler(10_000, max_bytes_per_source=16_000, max_bytes=30_000)
+    for index in range(8):
+        r.add("a", raw_chunk(bytes(10_000), "a", index, 1000))
+    for index in range(8):
+        r.add("b", raw_chunk(bytes(10_000), "b", index, 1000))
+    with pytest.raises(WireError) as refused:
+        for index in range(2):
+            r.add("c", raw_chunk(bytes(10_000), "c", index, 1000))
+    assert refused.value.code == "over_quota" and r.evicted == 0 and len(r) == 2
+    for index in range(8, 10):
+        r.add("a", raw_chunk(bytes(10_000), "a", index, 1000))
+    assert len(r) == 1  # "a" completed and freed its bytes: "c" fits now
+    assert r.add("c", raw_chunk(bytes(10), "c2", 0, 10)).data == bytes(10)
 
 
 def test_sources_do_not_mix() -> None:
@@ -151,7 +223,8 @@ def test_sources_do_not_mix() -> None:
 
 
 def test_default_chunk_fits_aws_iot_core() -> None:
-    frames = update_frames(tiny_manifest(), tiny_tensors(), UpdateMeta(1, 5, "d", {"accuracy": 0.5}), "x")
+    meta = UpdateMeta(1, 5, "d", {"accuracy": 0.5}).to_dict()
+    frames = chunk(encode_shared(tiny_manifest(), tiny_tensors()), blob_id="x", meta=meta)
     assert len(frames[0]) < DEFAULT_CHUNK_SIZE + 1024 < 128 * 1000
 
 
@@ -189,21 +262,21 @@ def test_topics_and_names() -> None:
 def test_head_tensors_cannot_be_encoded() -> None:
     manifest = tiny_manifest()
     with_head = {**tiny_tensors(), "classifier.weight": np.zeros((3, 2), np.float32)}
-    with pytest.raises(TensorError, match="device-local"):
-        update_frames(manifest, with_head, UpdateMeta(1, 5, manifest.base_digest), "x")
+    with pytest.raises(PayloadError, match="device-local"):
+        encode_shared(manifest, with_head)
 
 
 def test_decoded_tensors_are_validated() -> None:
     manifest = tiny_manifest()
-    frames = update_frames(manifest, tiny_tensors(), UpdateMeta(1, 5, manifest.base_digest), "x")
-    assert set(decode_tensors(manifest, assemble(frames))) == {"stem.weight", "stem.bias"}
+    frames = chunk(encode_shared(manifest, tiny_tensors()), 16, "x")
+    assert set(decode_shared(manifest, assemble(frames))) == {"stem.weight", "stem.bias"}
     from safetensors.numpy import save
 
     for bad in ({**tiny_tensors(), "stem.bias": np.array([np.nan, 0], np.float32)},
                 {**tiny_tensors(), "stem.bias": np.zeros(3, np.float32)},
                 {**tiny_tensors(), "stem.bias": np.zeros(2, np.float64)}, {"stem.bias": np.zeros(2, np.float32)}):
         with pytest.raises(WireError) as e:
-            decode_tensors(manifest, save(bad))
+            decode_shared(manifest, save(bad))
         assert e.value.code == "bad_tensors"
     with pytest.raises(WireError):
-        decode_tensors(manifest, b"\x00" * 40)
+        decode_shared(manifest, b"\x00" * 40)

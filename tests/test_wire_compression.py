@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from safetensors.numpy import save
 
 from fedper.models import build_model, describe, exported_state
-from fedper.tensors import TensorError
-from fedper.wire import Reassembler, UpdateMeta, WireError, decode_chunk, decode_tensors, update_frames
+from fedper.payload import PayloadError, decode_shared, encode_shared
+from fedper.wire import Reassembler, UpdateMeta, WireError, chunk, decode_chunk
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def send(manifest, tensors, codec: str) -> tuple[bytes, str]:
     """What the coordinator reassembles from a device's update frames, and the codec the chunks announce."""
     meta = UpdateMeta(round=1, n_samples=10, base_digest=manifest.base_digest, codec=codec)
     r = Reassembler(1 << 24)
-    for frame in update_frames(manifest, tensors, meta, "r1-test", chunk_size=32 * 1024):
+    for frame in chunk(encode_shared(manifest, tensors, codec), 32 * 1024, "r1-test", meta.to_dict()):
         blob = r.add("dev", frame)
     return blob.data, decode_chunk(frame).meta["codec"]
 
@@ -42,7 +43,7 @@ def test_codecs_shrink_the_update_and_decode_within_their_precision(fleet, codec
     exact_bytes = sum(shared[n].nbytes for n in statistics)
     expected = ratio * (len(plain) - exact_bytes) + exact_bytes
     assert expected <= len(blob) <= 1.1 * expected  # int8 adds its parameters as metadata
-    decoded = decode_tensors(manifest, blob, codec)
+    decoded = decode_shared(manifest, blob, codec)
     for name, value in shared.items():
         assert decoded[name].dtype == value.dtype and decoded[name].shape == value.shape
         if name in statistics:
@@ -55,9 +56,8 @@ def test_codecs_shrink_the_update_and_decode_within_their_precision(fleet, codec
 @pytest.mark.parametrize("codec", ["fp16", "int8"])
 def test_compressed_updates_still_refuse_device_local_tensors(fleet, codec) -> None:
     manifest, state, _ = fleet
-    meta = UpdateMeta(round=1, n_samples=10, base_digest=manifest.base_digest, codec=codec)
-    with pytest.raises(TensorError, match="never leave a device"):
-        update_frames(manifest, state, meta, "r1-x")
+    with pytest.raises(PayloadError, match="never leave a device"):
+        encode_shared(manifest, state, codec)
 
 
 def test_int8_delta_updates_decode_against_the_rounds_model(fleet) -> None:
@@ -67,16 +67,13 @@ def test_int8_delta_updates_decode_against_the_rounds_model(fleet) -> None:
     rng = np.random.default_rng(1)
     trained = {n: (v + 1e-3 * rng.standard_normal(v.shape)).astype(v.dtype) if v.dtype == np.float32 else v
                for n, v in shared.items()}
-    meta = UpdateMeta(round=1, n_samples=10, base_digest=manifest.base_digest, codec="int8-delta")
-    r = Reassembler(1 << 24)
-    for frame in update_frames(manifest, trained, meta, "r1-delta", chunk_size=32 * 1024, base=shared):
-        blob = r.add("dev", frame)
-    decoded = decode_tensors(manifest, blob.data, "int8-delta", base=shared)
+    blob = encode_shared(manifest, trained, "int8-delta", base=shared)
+    decoded = decode_shared(manifest, blob, "int8-delta", base=shared)
     for name, value in trained.items():
         change = np.abs(value.astype(np.float64) - shared[name]).max()
         assert np.abs(decoded[name].astype(np.float64) - value).max() <= change / 255 + 1e-6, name
     with pytest.raises(WireError) as refused:
-        decode_tensors(manifest, blob.data, "int8-delta")
+        decode_shared(manifest, blob, "int8-delta")
     assert refused.value.code == "bad_tensors"
 
 
@@ -84,7 +81,25 @@ def test_a_codec_that_does_not_match_the_blob_is_refused(fleet) -> None:
     manifest, _, shared = fleet
     blob, _ = send(manifest, shared, "int8")
     with pytest.raises(WireError) as refused:
-        decode_tensors(manifest, blob, "fp16")
+        decode_shared(manifest, blob, "fp16")
     assert refused.value.code == "bad_tensors"
     with pytest.raises(WireError, match="codec"):
-        decode_tensors(manifest, blob, "zip")
+        decode_shared(manifest, blob, "zip")
+
+
+def test_blobs_written_by_hand_that_break_the_layout_are_refused(fleet) -> None:
+    """safetensors blobs not made by our encoder: a head tensor or a retyped one is bad_tensors under
+    any codec the blob names, and so is a codec nobody knows."""
+    manifest, state, shared = fleet
+    head = manifest.names(shared=False)[0]
+    weight = next(t.name for t in manifest.shared_tensors if t.trainable)
+    half = {**shared, weight: shared[weight].astype(np.float16)}
+    for blob, match in [
+        (save({**shared, head: state[head]}, metadata={"fedper.codec": "fp16"}), "never leave a device"),
+        (save(half, metadata={"fedper.codec": "fp32"}), "float16"),
+        (save(half), "float16"),
+        (save(shared, metadata={"fedper.codec": "zip"}), "unknown codec"),
+    ]:
+        with pytest.raises(PayloadError, match=match) as refused:
+            decode_shared(manifest, blob)
+        assert refused.value.code == "bad_tensors"

@@ -11,7 +11,8 @@ from vectors import make_vectors
 
 from fedper import wire
 from fedper.manifest import Manifest
-from fedper.wire import Reassembler, WireError, decode_chunk, decode_tensors
+from fedper.payload import decode_shared
+from fedper.wire import Reassembler, WireError, decode_chunk
 
 VECTORS = Path(__file__).parent / "vectors"
 EXPECTED = sorted(VECTORS.glob("*.expected.json"))
@@ -45,7 +46,7 @@ def test_vector_decodes_as_expected(path: Path) -> None:
         r = Reassembler(1 << 20)
         done = [r.add("d", (VECTORS / name).read_bytes()) for name in reversed(expected["chunks"])]
         assert done[-1].data == payload and len(payload) == expected["size"]
-        for name, t in decode_tensors(manifest, payload).items():
+        for name, t in decode_shared(manifest, payload).items():
             want = expected["tensors"][name]
             assert (str(t.dtype), list(t.shape)) == (want["dtype"], want["shape"])
             np.testing.assert_array_equal(t.ravel(), np.array(want["values"], dtype=t.dtype))

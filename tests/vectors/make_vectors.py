@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from fedper.manifest import Manifest, ModelInfo, TensorSpec
+from fedper.payload import encode_shared
 from fedper.wire import (
     ErrorMessage,
     Register,
@@ -26,8 +27,6 @@ from fedper.wire import (
     UpdateMeta,
     chunk,
     decode_frame,
-    model_frames,
-    update_frames,
 )
 
 FLEET, DEVICE = "demo", "phone-1"
@@ -71,7 +70,8 @@ def vectors() -> dict[str, tuple[bytes, dict]]:
 
     register = Register(n_samples=120, base_digest=digest, software="fedper-agent/0.1.0")
     message("register", topics.register(DEVICE), register)
-    blob, frames = model_frames(manifest, tiny_tensors(), "r1", 1, CHUNK_SIZE)
+    blob = encode_shared(manifest, tiny_tensors())
+    frames = chunk(blob, CHUNK_SIZE, "r1", {"round": 1})
     message("round", topics.round, RoundInfo(
         round=1, rounds=3, state="open", deadline=1767225600.0, blob_id="r1", size=len(blob),
         sha256=hashlib.sha256(blob).hexdigest(), count=len(frames), base_digest=digest))
@@ -90,7 +90,7 @@ def vectors() -> dict[str, tuple[bytes, dict]]:
 
     blob_vectors("model-r1", lambda i: topics.model("r1", i), frames, tiny_tensors())
     meta = UpdateMeta(round=1, n_samples=120, base_digest=digest, metrics={"accuracy": 0.75, "loss": 0.5})
-    update = update_frames(manifest, tiny_tensors(0.125), meta, "r1-0a1b2c3d", CHUNK_SIZE)
+    update = chunk(encode_shared(manifest, tiny_tensors(0.125)), CHUNK_SIZE, "r1-0a1b2c3d", meta.to_dict())
     blob_vectors("update-r1", lambda i: topics.update(DEVICE), update, tiny_tensors(0.125))
 
     corrupt = bytearray(update[0])
