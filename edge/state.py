@@ -3,12 +3,14 @@
     split.json          the fixed train/test split of the local data (indices into the samples in
                         load order), chosen once with a seed, with a fingerprint of the data: a
                         restart never moves a test image into training
-    device.safetensors  the device's tensors after its last completed round: the device-local ones
-                        (its head and their BatchNorm statistics) and its last update (the shared
-                        ones), with metadata round, base_digest, n_samples and metrics
+    device.safetensors  a checkpoint (fedper.checkpoint) of the device after its last completed
+                        round: the device-local tensors (its head and their BatchNorm statistics)
+                        and its last update (the shared ones), with round, base_digest, n_samples,
+                        metrics and the names of the local tensors in its JSON metadata
 
-Every file is replaced atomically (temporary file, fsync, os.replace, fsync of the directory): a
-kill or a full disk at any point leaves the previous version whole.
+Every file is replaced atomically by fedper.checkpoint: a kill or a full disk at any point leaves
+the previous version whole. A device.safetensors written before the checkpoint format (its fields
+as separate safetensors metadata strings) is read once and rewritten in the checkpoint format.
 """
 
 from __future__ import annotations
@@ -16,32 +18,44 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save as st_save
 
-from fedper import files
+from fedper import checkpoint
 from fedper.manifest import Manifest
 
 SPLIT_FILE = "split.json"
 TENSORS_FILE = "device.safetensors"
 TEST_FRACTION = 0.2
 
+log = logging.getLogger("fedper.edge")
+
 
 class StateError(RuntimeError):
     """The state directory cannot be read or written; the message says what to do."""
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """fedper.files.atomic_write, with a failure explained in the agent's terms."""
+@contextmanager
+def _saving(path: Path) -> Iterator[None]:
+    """A failure to write `path` explained in the agent's terms, as a StateError."""
     try:
-        files.atomic_write(path, data)
+        yield
     except OSError as e:
         hint = " (disk full)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
         raise StateError(f"cannot save {path}{hint}: {e.strerror or e}; the previous state is kept") from e
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """fedper.checkpoint.atomic_write, with a failure explained in the agent's terms."""
+    with _saving(path):
+        checkpoint.atomic_write(path, data)
 
 
 def data_fingerprint(x: np.ndarray, y: np.ndarray) -> str:
@@ -79,7 +93,7 @@ class DeviceState:
         fingerprint = data_fingerprint(x, y)
         if path.exists():
             try:
-                stored = json.loads(path.read_text())
+                stored = checkpoint.read_json(path)
                 train, test = np.asarray(stored["train"], np.int64), np.asarray(stored["test"], np.int64)
                 stored_fingerprint = stored["fingerprint"]
             except (OSError, ValueError, KeyError) as e:
@@ -92,16 +106,16 @@ class DeviceState:
             return train, test
         [(train, test)] = split_train_test([np.arange(len(y))], y, test_fraction=TEST_FRACTION, seed=seed)
         body = {"seed": seed, "n": len(y), "fingerprint": fingerprint, "train": train.tolist(), "test": test.tolist()}
-        atomic_write(path, json.dumps(body).encode())
+        with _saving(path):
+            checkpoint.write_json(path, body)
         return train, test
 
     def save(self, saved: Saved) -> None:
-        meta = {
-            "round": str(saved.round), "base_digest": saved.base_digest, "n_samples": str(saved.n_samples),
-            "metrics": json.dumps(saved.metrics), "local": json.dumps(sorted(saved.local)),
-        }
-        tensors = {**saved.update, **saved.local}
-        atomic_write(self.dir / TENSORS_FILE, st_save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, meta))
+        meta = {"round": saved.round, "base_digest": saved.base_digest, "n_samples": saved.n_samples,
+                "metrics": saved.metrics, "local": sorted(saved.local)}
+        path = self.dir / TENSORS_FILE
+        with _saving(path):
+            checkpoint.write_checkpoint(path, {**saved.update, **saved.local}, meta)
 
     def load(self, manifest: Manifest) -> Saved | None:
         """The last completed round's state, or None for a fresh device. A state from another export
@@ -110,17 +124,18 @@ class DeviceState:
         if not path.exists():
             return None
         try:
-            with safe_open(str(path), framework="np") as f:
-                meta = f.metadata() or {}
-                tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (not a dict)
-            local_names = json.loads(meta["local"])
+            tensors, meta = checkpoint.read_checkpoint(path)
+            legacy = not meta
+            if legacy:
+                meta = _legacy_meta(path)
+            local_names = meta["local"]
             saved = Saved(
                 round=int(meta["round"]), base_digest=meta["base_digest"], n_samples=int(meta["n_samples"]),
                 local={n: tensors[n] for n in local_names},
                 update={n: v for n, v in tensors.items() if n not in local_names},
-                metrics={k: float(v) for k, v in json.loads(meta["metrics"]).items()},
+                metrics={k: float(v) for k, v in meta["metrics"].items()},
             )
-        except (OSError, SafetensorError, ValueError, KeyError) as e:
+        except (OSError, SafetensorError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise StateError(f"{path} is unreadable ({e}); remove it to start this device afresh") from None
         if saved.base_digest != manifest.base_digest:
             raise StateError(
@@ -130,4 +145,16 @@ class DeviceState:
         expected = set(manifest.names(shared=False))
         if set(saved.local) != expected:
             raise StateError(f"{path} does not hold this model's device-local tensors; remove it to start afresh")
+        if legacy:
+            self.save(saved)
+            log.warning("%s: rewritten in the checkpoint format (its round %d kept)", path, saved.round)
         return saved
+
+
+def _legacy_meta(path: Path) -> dict[str, Any]:
+    """The fields of a device.safetensors written before the checkpoint format: separate safetensors
+    metadata strings, with metrics and the local names JSON-encoded in theirs."""
+    with safe_open(str(path), framework="np") as f:
+        old = f.metadata() or {}
+    return {"round": int(old["round"]), "base_digest": old["base_digest"], "n_samples": int(old["n_samples"]),
+            "metrics": json.loads(old["metrics"]), "local": json.loads(old["local"])}

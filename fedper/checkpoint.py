@@ -1,0 +1,111 @@
+"""Durable state, one way for the coordinator, the agent and the emulator: a crash or a full disk
+leaves the previous version of a file whole, never a mix.
+
+Every file goes through `atomic_write`: a temporary name, fsync, os.replace over the old one, fsync
+of the folder. Two formats, nothing else (no pickle):
+
+    checkpoint  a safetensors file: the tensors, and the rest as one JSON document in the header's
+                metadata (key "json"); `write_checkpoint` streams the header and then each array's
+                own memory, so a large float64 sum is never copied whole to be written
+    JSON file   state that holds no tensors (`write_json`)
+
+Errors are left as they come (OSError when writing; CorruptCheckpoint when a file is not a
+checkpoint) for each role to explain in its own terms.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+Buffer = bytes | bytearray | memoryview
+META_KEY = "json"  # the safetensors metadata key that holds a checkpoint's JSON document
+
+# numpy dtype name -> safetensors dtype code (the format's spec)
+_SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "int64": "I64", "int32": "I32",
+                       "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+class CorruptCheckpoint(ValueError):
+    """A file that is not a readable checkpoint (truncated, overwritten, or another format)."""
+
+
+def atomic_write(path: Path, data: Buffer | Iterable[Buffer]) -> None:
+    """Readers see the old content or the new, never a mix: temp file, fsync, rename, fsync the folder.
+
+    `data` may be a sequence of buffers written one after another (no joined copy in memory).
+
+    On any OSError (e.g. ENOSPC) the temp file is removed, `path` keeps its old content, and the
+    error propagates."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            for part in [data] if isinstance(data, Buffer) else data:
+                f.write(part)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, body: Any, *, indent: int | None = None) -> None:
+    atomic_write(path, json.dumps(body, indent=indent).encode())
+
+
+def read_json(path: Path) -> Any:
+    """The document in `path`; OSError if it cannot be read, ValueError if it is not JSON."""
+    return json.loads(path.read_bytes())
+
+
+def write_checkpoint(path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any] | None = None) -> None:
+    """`tensors` and `meta` (a JSON-serializable mapping; None writes no metadata) as one safetensors file."""
+    atomic_write(path, safetensors_parts(tensors, None if meta is None else {META_KEY: json.dumps(meta)}))
+
+
+def read_checkpoint(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """(tensors, meta) of a file `write_checkpoint` wrote; meta is {} for a file written without it.
+
+    The file is memory-mapped, so each tensor is read once into its own array. OSError if it cannot
+    be opened; CorruptCheckpoint if it is not a safetensors file or its metadata is not JSON."""
+    try:
+        with safe_open(str(path), framework="np") as f:
+            metadata = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (not a dict)
+        meta = json.loads(metadata[META_KEY]) if META_KEY in metadata else {}
+    except (SafetensorError, ValueError) as e:
+        raise CorruptCheckpoint(f"{path} is not a readable checkpoint: {e}") from None
+    if not isinstance(meta, dict):
+        raise CorruptCheckpoint(f"{path}: its metadata is not a JSON object")
+    return tensors, meta
+
+
+def safetensors_parts(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> list[Buffer]:
+    """A safetensors file as its header and then each array's own memory: what a file write needs,
+    without safetensors.numpy.save's in-memory copy of the whole file (2x a float64 partial sum).
+    Layout per the format: u64 little-endian header length, JSON header (string `metadata` under
+    "__metadata__", padded with spaces to a multiple of 8), the little-endian buffers back to back
+    in header order."""
+    arrays = {name: np.require(a, a.dtype.newbyteorder("<"), "C") for name, a in tensors.items()}
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, a in arrays.items():
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[a.dtype.name], "shape": list(a.shape),
+                        "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    return [struct.pack("<Q", len(head)), head, *(a.reshape(-1).view(np.uint8).data for a in arrays.values())]
