@@ -40,10 +40,12 @@ def run(
     """Train rounds until the coordinator announces the final model; resumes from --state-dir."""
     from fedper.compression import check_codec
     from fedper.data import DataError
-    from fedper.edge.agent import Agent, AgentConfig, AgentError
     from fedper.edge.backend import BACKENDS
+    from fedper.edge.engine import Agent, AgentConfig, AgentError
+    from fedper.edge.service import run_agent
     from fedper.edge.state import StateError
     from fedper.manifest import ManifestError
+    from fedper.mqtt import BrokerRefused
     from fedper.wire import WireError
 
     config = AgentConfig(
@@ -56,9 +58,8 @@ def run(
         if backend not in BACKENDS:
             raise ValueError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
         check_codec(compression)
-        agent = Agent(config, log=lambda line: typer.echo(line, err=True))
-        agent.run()
-    except (AgentError, DataError, ManifestError, StateError, WireError, ValueError, OSError) as e:
+        run_agent(Agent(config, log=lambda line: typer.echo(line, err=True)))
+    except (AgentError, BrokerRefused, DataError, ManifestError, StateError, WireError, ValueError, OSError) as e:
         typer.echo(f"fedper-agent: {e}", err=True)
         raise typer.Exit(2) from None
     except KeyboardInterrupt:

@@ -20,8 +20,9 @@ from safetensors.numpy import load_file
 
 from fedper.aggregation import WeightedMean
 from fedper.data import load_digits
-from fedper.edge.agent import Agent, AgentConfig, load_local_data
 from fedper.edge.backend import check_artifacts, open_backend
+from fedper.edge.engine import Agent, AgentConfig, load_local_data
+from fedper.edge.service import run_agent
 from fedper.edge.state import DeviceState
 from fedper.wire import decode_tensors, update_blob
 
@@ -88,7 +89,7 @@ def agent_config(artifacts: Path, data: Path, broker_url: str, fleet: str, j: in
 def run_fleet(coordinator: subprocess.Popen, agents: list[Agent], logs: list[str]) -> None:
     """Run the agents in threads until the coordinator has finished its rounds."""
     stop = threading.Event()
-    threads = [threading.Thread(target=agent.run, args=(stop,), daemon=True) for agent in agents]
+    threads = [threading.Thread(target=run_agent, args=(agent, stop), daemon=True) for agent in agents]
     for t in threads:
         t.start()
     try:

@@ -1,0 +1,384 @@
+"""The device agent's protocol logic (docs/protocol.md, v1): a state machine fed with MQTT messages.
+
+No I/O but its state directory and its training backend: `connected()` and `handle(topic,
+payload)` return the messages to publish, so tests drive it with hand-built frames and no broker,
+and the paho loop (fedper.edge.service) stays thin, as the coordinator's does.
+
+Per round k (RoundInfo `open` for a round this device has not answered):
+
+1. collect the base model's chunks, check the blob's sha256 against RoundInfo, decode it once
+   (the decoded round model serves both loading and, for a delta codec, encoding the update);
+2. load the shared tensors by name (the head stays) and evaluate on the local test split: the
+   model the device would serve now, i.e. the new aggregated base of round k-1 with the device's
+   own head (for k = 1: the initial base). This is the accuracy reported with the round-k update.
+   The emulator evaluates the same model (the aggregate after round k-1 with each head) at the end
+   of round k-1: the agent reports it one round later, because it only sees that aggregate when
+   round k opens;
+3. train the algorithm's phases (fedper.algorithms), e.g. FedPer: base + head for E epochs;
+4. save the state atomically (head, BatchNorm statistics, the update, the round);
+5. publish the update: the shared tensors only (fedper.wire.update_frames -> pack_shared), n_j =
+   the training-sample count, and the metrics.
+
+A kill at any point is survived: after a restart the head comes back from the state dir; if the
+open round is the one last saved, the saved update is sent again (the coordinator answers a
+duplicate with `duplicate_update`, harmless); otherwise the device trains on the open round,
+which also catches up after missed rounds.
+
+What reaches the device is checked as the coordinator checks what reaches it: a RoundInfo for
+another export, an impossible round, an oversized model or a round this device already passed,
+and a model blob that is corrupt, not the round's sha256, or not exactly the manifest's finite
+shared tensors, are each refused with one log line; nothing is loaded until a blob passes, so
+the model and the head stay as they were and the right blob, when it comes, is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import resource
+import secrets
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fedper.algorithms import Phase, get_algorithm
+from fedper.compression import DELTA_CODECS
+from fedper.data import DataError, load_image_folder, load_npz, to_float_nchw
+from fedper.edge.backend import check_artifacts, open_backend
+from fedper.edge.state import DeviceState, Saved, atomic_write
+from fedper.manifest import Manifest
+from fedper.wire import (
+    DEFAULT_CHUNK_SIZE,
+    ErrorMessage,
+    Reassembler,
+    Register,
+    RoundInfo,
+    Topics,
+    UpdateMeta,
+    WireError,
+    decode_chunk,
+    decode_tensors,
+    max_shared_blob_size,
+    update_frames,
+)
+
+SOFTWARE = "fedper-agent/0.1.0"
+FINAL_FILE = "final.json"  # the served model's accuracy after the last round, for people and scripts
+COORDINATOR = "coordinator"  # the one source of model chunks
+MAX_NOTED_BLOBS = 64  # blob ids whose refusal was logged (one line per blob, not per chunk)
+
+
+class AgentError(RuntimeError):
+    """The agent cannot go on (bad input, another export's coordinator); the message says why."""
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    artifacts: Path
+    data: Path
+    broker: str
+    fleet: str
+    client_id: str
+    state_dir: Path
+    local_epochs: int = 1
+    batch_size: int = 32
+    lr: float = 0.01
+    fine_tune_head: bool = False
+    backend: str = "ort"
+    seed: int = 0
+    username: str | None = None
+    password: str | None = None
+    tls_ca: str | None = None
+    mqtt_version: str = "5"
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    compression: str = "fp32"  # update codec (fedper.compression): fp32, fp16, int8 or int8-delta
+
+
+@dataclass(frozen=True)
+class LocalData:
+    x_train: np.ndarray  # float32 NCHW, normalized with the manifest's mean/std
+    y_train: np.ndarray  # int64, indices into the manifest's classes
+    x_test: np.ndarray
+    y_test: np.ndarray
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    topic: str
+    payload: bytes
+    qos: int = 1
+    retain: bool = False
+
+
+@dataclass(frozen=True)
+class RoundModel:
+    """A round's base model, decoded and checked once; keyed by what RoundInfo names it by."""
+
+    blob_id: str
+    sha256: str
+    tensors: Mapping[str, np.ndarray]
+
+
+def manifest_classes(manifest: Manifest) -> list[str]:
+    """The label names the model was exported for; "0".."C-1" when the export named none."""
+    return list(manifest.model.classes) or [str(i) for i in range(manifest.model.num_classes)]
+
+
+def load_local_data(path: Path, manifest: Manifest, state: DeviceState, seed: int) -> LocalData:
+    """An image-folder tree or an .npz, labels mapped onto the manifest's classes; without a test
+    split of its own, the state dir's fixed split (chosen once) divides it."""
+    _, height, width = manifest.model.input_shape
+    splits = load_npz(path) if path.suffix == ".npz" else load_image_folder(path, image_size=height)
+    classes = manifest_classes(manifest)
+    unknown = [c for c in splits.train.classes if c not in classes]
+    if unknown:
+        raise DataError(f"{path}: class(es) {unknown} are not among the model's classes {classes}")
+    if splits.train.x.shape[1:3] != (height, width):
+        raise DataError(f"{path}: images are {splits.train.x.shape[1:3]}, the model takes {height}x{width}")
+    if len(splits.train) == 0:
+        raise DataError(f"{path}: no training images")
+    to_manifest = np.array([classes.index(c) for c in splits.train.classes], np.int64)
+    x, y = splits.train.x, to_manifest[splits.train.y]
+    if splits.test is None:
+        train, test = state.split(x, y, seed)
+        x_test, y_test, x, y = x[test], y[test], x[train], y[train]
+    else:
+        x_test, y_test = splits.test.x, to_manifest[splits.test.y]
+    mean, std = manifest.model.mean, manifest.model.std
+    return LocalData(to_float_nchw(x, mean, std), y, to_float_nchw(x_test, mean, std), y_test)
+
+
+def schedule(manifest: Manifest, fine_tune_head: bool) -> tuple[Phase, ...]:
+    """The algorithm's phases; --fine-tune-head puts one head-only epoch first (the paper's A.3)."""
+    phases = get_algorithm(manifest.algorithm).phases
+    if fine_tune_head and phases[0].trained != "head":
+        phases = (Phase("head", 1), *phases)
+    return phases
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kilobytes on Linux
+
+
+class Agent:
+    """One FedPer participant: its artifacts, local data, training backend and state directory,
+    and what it knows of the coordinator's open round."""
+
+    def __init__(self, config: AgentConfig, log: Callable[[str], None] = print) -> None:
+        self.config, self.log = config, log
+        self.manifest = check_artifacts(config.artifacts)
+        self.phases = schedule(self.manifest, config.fine_tune_head)
+        if config.backend == "ort":
+            missing = sorted({p.trained for p in self.phases} - set(self.manifest.artifact_sets))
+            if missing:
+                raise AgentError(
+                    f"the algorithm's phases train {missing} but {config.artifacts} has no such artifact set "
+                    f"(it has {sorted(self.manifest.artifact_sets)}); export with an algorithm that needs them"
+                )
+        self.topics = Topics(config.fleet)
+        self.state = DeviceState(config.state_dir)
+        self.data = load_local_data(config.data, self.manifest, self.state, config.seed)
+        self.backend = open_backend(config.backend, config.artifacts, self.manifest)
+        self.saved = self.state.load(self.manifest)
+        if self.saved is not None:
+            self.backend.load(self.saved.local)
+            log(f"restored the head of round {self.saved.round} from {config.state_dir}")
+        self.final_accuracy: float | None = None
+        self._models = Reassembler(max_shared_blob_size(self.manifest), max_open_blobs=4)
+        self._blobs: dict[str, bytes] = {}  # the newest complete model blob, until a RoundInfo names it
+        self._model: RoundModel | None = None  # the open round's model, decoded
+        self._round: RoundInfo | None = None
+        self._sent_round: int | None = None
+        self._noted: set[str] = set()  # blob ids refused and logged once
+
+    @property
+    def n_samples(self) -> int:
+        return len(self.data.y_train)
+
+    # ------------------------------------------------------------ messages in, messages out
+
+    def subscriptions(self) -> list[tuple[str, int]]:
+        t = self.topics
+        return [(t.round, 1), (f"{t.base}/model/#", 1), (t.error(self.config.client_id), 1)]
+
+    def connected(self) -> list[Outgoing]:
+        """Say we are online and (re-)register, on every connect, as docs/protocol.md asks."""
+        self.log("connected")
+        # No update is acknowledged in v1: one sent just before a broker outage may be lost with the
+        # broker's state, so the saved update is sent again when the open round is seen again (the
+        # coordinator answers duplicate_update if it had it).
+        self._sent_round = None
+        return self._announce() + self._progress()
+
+    def handle(self, topic: str, payload: bytes) -> list[Outgoing]:
+        """One message from the broker; what to publish in answer. AgentError when the agent cannot go on."""
+        t = self.topics
+        try:
+            if topic == t.round:
+                return self._on_round_info(RoundInfo.decode(payload))
+            if topic.startswith(f"{t.base}/model/"):
+                return self._on_model_chunk(topic, payload)
+            if topic == t.error(self.config.client_id):
+                return self._on_error(ErrorMessage.decode(payload))
+        except WireError as e:
+            self.log(f"ignored a bad message on {topic}: {e}")
+        return []
+
+    def _announce(self) -> list[Outgoing]:
+        t, me = self.topics, self.config.client_id
+        register = Register(n_samples=self.n_samples, base_digest=self.manifest.base_digest, software=SOFTWARE)
+        return [Outgoing(t.presence(me), b"online", retain=True),
+                Outgoing(t.register(me), register.encode(), retain=True)]
+
+    def _on_round_info(self, info: RoundInfo) -> list[Outgoing]:
+        problem = self._round_info_problem(info)
+        if problem:
+            self.log(f"ignored RoundInfo of round {info.round} ({info.state}): {problem}")
+            return []
+        self._round = info
+        return self._progress()
+
+    def _round_info_problem(self, info: RoundInfo) -> str | None:
+        if info.base_digest != self.manifest.base_digest:
+            return f"it is for another export (base_digest {info.base_digest}, ours {self.manifest.base_digest})"
+        if info.round > info.rounds:
+            return f"round {info.round} of a run of {info.rounds} rounds"
+        if info.size > self._models.max_blob_size:
+            return (f"its model declares {info.size} bytes, more than this model's shared tensors take "
+                    f"({self._models.max_blob_size})")
+        if info.state == "open" and self.saved is not None and info.round < self.saved.round:
+            return f"stale: this device already answered round {self.saved.round}"
+        return None
+
+    def _on_model_chunk(self, topic: str, payload: bytes) -> list[Outgoing]:
+        if not payload:  # an empty retained payload clears an old round's chunk
+            return []
+        where = topic[len(f"{self.topics.base}/model/"):].split("/")
+        try:
+            chunk = decode_chunk(payload, max_blob_size=self._models.max_blob_size)
+            if where != [chunk.blob_id, str(chunk.index)]:
+                raise WireError("bad_chunk", f"chunk {chunk.index} of blob {chunk.blob_id} on another blob's topic")
+            blob = self._models.add(COORDINATOR, chunk)
+        except WireError as e:
+            self._refuse_blob(where[0], f"ignored a bad model chunk on {topic}: {e}")
+            return []
+        if blob is None:
+            return []
+        self._noted.discard(blob.blob_id)
+        info = self._round
+        if info is not None and blob.blob_id == info.blob_id and hashlib.sha256(blob.data).hexdigest() != info.sha256:
+            self._refuse_blob(blob.blob_id, f"model {blob.blob_id} does not match the round's sha256: "
+                              "waiting for the right one")
+            return []
+        self._blobs = {blob.blob_id: blob.data}  # only the newest model is worth keeping
+        return self._progress()
+
+    def _refuse_blob(self, blob_id: str, line: str) -> None:
+        """Log a refused model blob once, however many of its chunks arrive."""
+        if blob_id in self._noted:
+            return
+        if len(self._noted) >= MAX_NOTED_BLOBS:
+            self._noted.clear()
+        self._noted.add(blob_id)
+        self.log(line)
+
+    def _on_error(self, error: ErrorMessage) -> list[Outgoing]:
+        self.log(f"coordinator: {error.code}: {error.message}")
+        if error.code == "digest_mismatch":
+            raise AgentError(f"the coordinator refused this export: {error.message}")
+        if error.code in ("unknown_device", "bad_chunk") and self.saved and error.round == self.saved.round:
+            self._sent_round = None  # register again, then send the update again (a fresh blob id)
+            return self._announce() + self._progress()
+        return []
+
+    def _progress(self) -> list[Outgoing]:
+        """Act on the open round once its model is here: train and send, send the saved update
+        again, or, for the finished run, evaluate the final model."""
+        info = self._round
+        if info is None or self.final_accuracy is not None:
+            return []
+        answered = self.saved is not None and info.state == "open" and info.round == self.saved.round
+        if answered and self._sent_round == info.round:
+            return []
+        model = self._round_model(info)
+        if model is None:
+            return []
+        if info.state == "finished":
+            self._finish(info, model)
+            return []
+        if answered:
+            self.log(f"round {info.round}: already trained (before a restart or a reconnect), sending the saved "
+                     "update again")
+        else:
+            self.backend.load(model)
+            self.saved = self.train_round(info.round)
+        return self._update(self.saved, model)
+
+    def _round_model(self, info: RoundInfo) -> Mapping[str, np.ndarray] | None:
+        """The model RoundInfo names, decoded once and checked; None while it is not here (or refused)."""
+        if self._model is not None and (self._model.blob_id, self._model.sha256) == (info.blob_id, info.sha256):
+            return self._model.tensors
+        blob = self._blobs.pop(info.blob_id, None)
+        if blob is None:
+            return None
+        if hashlib.sha256(blob).hexdigest() != info.sha256:
+            self.log(f"model {info.blob_id} does not match the round's sha256: waiting for the right one")
+            return None
+        try:
+            tensors = decode_tensors(self.manifest, blob, codec="fp32")  # a round's model is always fp32
+        except Exception as e:  # an untrusted blob: whatever fails in decoding it is a refusal, not a crash
+            self.log(f"refused model {info.blob_id} of round {info.round}: {type(e).__name__}: {e}")
+            return None
+        self._model = RoundModel(info.blob_id, info.sha256, tensors)
+        return tensors
+
+    def _update(self, saved: Saved, model: Mapping[str, np.ndarray]) -> list[Outgoing]:
+        """The frames of `saved`, the update that answers the round whose model is `model` (a delta
+        codec encodes the difference from it)."""
+        c = self.config
+        meta = UpdateMeta(round=saved.round, n_samples=saved.n_samples, base_digest=saved.base_digest,
+                          metrics=saved.metrics, codec=c.compression)
+        blob_id = f"r{saved.round}-{secrets.token_hex(4)}"
+        base = model if c.compression in DELTA_CODECS else None
+        frames = update_frames(self.manifest, saved.update, meta, blob_id, c.chunk_size, base)
+        self._sent_round = saved.round
+        return [Outgoing(self.topics.update(c.client_id), frame) for frame in frames]
+
+    def _finish(self, info: RoundInfo, model: Mapping[str, np.ndarray]) -> None:
+        self.backend.load(model)
+        accuracy, loss = self.backend.evaluate(self.data.x_test, self.data.y_test)
+        self.log(f"finished after {info.rounds} rounds: personalized accuracy {accuracy:.4f}")
+        record = {"rounds": info.rounds, "accuracy": accuracy, "loss": loss}
+        atomic_write(self.state.dir / FINAL_FILE, json.dumps(record).encode())
+        self.final_accuracy = accuracy
+
+    # ------------------------------------------------------------ one round, no messages
+
+    def train_round(self, round_: int) -> Saved:
+        """Evaluate the served model, train every phase, save the state; the base is already loaded."""
+        c, d = self.config, self.data
+        accuracy, test_loss = self.backend.evaluate(d.x_test, d.y_test)
+        samples, seconds, losses = 0, 0.0, []
+        for index, phase in enumerate(self.phases):
+            stats = self.backend.train(
+                phase.trained, d.x_train, d.y_train, epochs=phase.epochs or c.local_epochs,
+                batch_size=c.batch_size, lr=c.lr, seed=(c.seed, round_, index),
+            )
+            samples, seconds = samples + stats.samples, seconds + stats.seconds
+            losses.append(stats.loss)
+        metrics = {"accuracy": accuracy, "loss": test_loss, "train_loss": losses[-1],
+                   "samples_per_s": samples / seconds if seconds else 0.0}
+        metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}  # no test split: no accuracy
+        saved = Saved(
+            round=round_, base_digest=self.manifest.base_digest, n_samples=self.n_samples,
+            local=self.backend.read(self.manifest.names(shared=False)),
+            update=self.backend.read(self.manifest.names(shared=True)), metrics=metrics,
+        )
+        self.state.save(saved)
+        self.log(f"round {round_}: served accuracy {accuracy:.4f} (test loss {test_loss:.4f}); trained "
+                 f"{samples} samples in {seconds:.1f} s ({samples / max(seconds, 1e-9):.0f} samples/s), "
+                 f"train loss {losses[-1]:.4f}; peak RSS {peak_rss_mb():.0f} MB")
+        return saved

@@ -1,0 +1,362 @@
+"""The agent's protocol logic without a broker: hand-built frames in, the messages it would publish out.
+
+A real agent (the tiny export, real digit scans, onnxruntime-training) is fed RoundInfo messages
+and model chunks written here with json, struct, zlib and hashlib as docs/protocol.md describes
+them (not with fedper.wire's encoder), and its answers are read back the same way: a restart
+resends the saved update, `unknown_device` makes it register and resend, a stale RoundInfo and a
+blob that is not the round's sha256 are ignored, missed rounds are caught up, a finished run
+writes the final accuracy. Forged or corrupt input (another export's RoundInfo, odd JSON, NaN,
+wrong shapes, oversized declarations, corrupt chunks) is refused with one log line, never touches
+the model, the head or the saved state, and the right round that follows is trained as usual.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+from fedper.data import load_digits
+from fedper.edge.engine import FINAL_FILE, Agent, AgentConfig, AgentError, Outgoing
+
+FLEET, DEVICE = "lab", "dev0"
+BASE = f"fedper/v1/{FLEET}"
+ROUND_TOPIC, UPDATE_TOPIC = f"{BASE}/round", f"{BASE}/update/{DEVICE}"
+CHUNK = 64 * 1024
+Message = tuple[str, bytes]
+
+
+# ------------------------------------------------------------ frames by hand (docs/protocol.md, sections 5 and 6)
+
+
+def frame(header: dict, data: bytes) -> bytes:
+    head = json.dumps({"v": 1, **header}).encode()
+    return struct.pack(">II", len(head), zlib.crc32(head + data)) + head + data
+
+
+def chunk_frames(blob: bytes, blob_id: str, round_: int, chunk_size: int = CHUNK) -> list[Message]:
+    """A model blob as the coordinator publishes it: (topic, frame) per chunk."""
+    count = max(1, -(-len(blob) // chunk_size))
+    sha = hashlib.sha256(blob).hexdigest()
+    return [(f"{BASE}/model/{blob_id}/{i}",
+             frame({"blob_id": blob_id, "index": i, "count": count, "size": len(blob), "chunk_size": chunk_size,
+                    "sha256": sha, "meta": {"round": round_}}, blob[i * chunk_size : (i + 1) * chunk_size]))
+            for i in range(count)]
+
+
+def round_info(blob: bytes, round_: int, digest: str, *, rounds: int = 3, state: str = "open",
+               blob_id: str | None = None, **fields: object) -> Message:
+    body = {"v": 1, "round": round_, "rounds": rounds, "state": state, "deadline": 1.9e9,
+            "blob_id": blob_id or f"r{round_}", "size": len(blob), "sha256": hashlib.sha256(blob).hexdigest(),
+            "count": max(1, -(-len(blob) // CHUNK)), "base_digest": digest, **fields}
+    return ROUND_TOPIC, json.dumps(body).encode()
+
+
+def read_frame(payload: bytes) -> tuple[dict, bytes]:
+    n, crc = struct.unpack_from(">II", payload)
+    assert zlib.crc32(payload[8:]) == crc
+    return json.loads(payload[8 : 8 + n]), payload[8 + n :]
+
+
+def sent_update(out: list[Outgoing]) -> tuple[str, dict, dict[str, np.ndarray]]:
+    """(blob_id, meta, tensors) of the one update among `out`, reassembled and checked by hand."""
+    frames = [read_frame(m.payload) for m in out if m.topic == UPDATE_TOPIC]
+    assert frames and all(m.qos == 1 and not m.retain for m in out if m.topic == UPDATE_TOPIC)
+    headers = [h for h, _ in frames]
+    assert len({h["blob_id"] for h in headers}) == 1 and len(frames) == headers[0]["count"]
+    blob = b"".join(data for _, data in sorted(frames, key=lambda f: f[0]["index"]))
+    assert hashlib.sha256(blob).hexdigest() == headers[0]["sha256"] and len(blob) == headers[0]["size"]
+    return headers[0]["blob_id"], headers[0]["meta"], st_load(blob)
+
+
+# ------------------------------------------------------------ a real agent
+
+
+class Device:
+    """An agent and everything it logged."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.logs: list[str] = []
+        self.agent = Agent(config, log=self.logs.append)
+
+    def feed(self, messages: list[Message]) -> list[Outgoing]:
+        out: list[Outgoing] = []
+        for topic, payload in messages:
+            out += self.agent.handle(topic, payload)
+        return out
+
+    def open_round(self, round_: int, tensors: dict[str, np.ndarray], **fields: object) -> list[Outgoing]:
+        """RoundInfo and then the model's chunks, as they usually arrive."""
+        blob = st_save(tensors)
+        return self.feed([round_info(blob, round_, self.agent.manifest.base_digest, **fields),
+                          *chunk_frames(blob, str(fields.get("blob_id", f"r{round_}")), round_)])
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        """Every tensor of the model as it is now: the shared ones and the head."""
+        return self.agent.backend.read(self.agent.manifest.names())
+
+
+@pytest.fixture
+def device_data(tmp_path: Path) -> Path:
+    """20 real digit scans of classes 0..3 (16 train, 4 test)."""
+    ds = load_digits(32).train
+    idx = np.flatnonzero(ds.y < 4)[:20]
+    path = tmp_path / "digits.npz"
+    np.savez(path, x_train=ds.x[idx], y_train=ds.y[idx], classes=np.array(("0", "1", "2", "3")))
+    return path
+
+
+@pytest.fixture
+def make_device(tiny_artifacts: Path, device_data: Path, tmp_path: Path) -> Callable[..., Device]:
+    """make_device(state="state", **config) -> a Device; the same state name is the same device restarted."""
+
+    def make(state: str = "state", **config: object) -> Device:
+        return Device(AgentConfig(artifacts=tiny_artifacts, data=device_data, broker="mqtt://127.0.0.1:1",
+                                  fleet=FLEET, client_id=DEVICE, state_dir=tmp_path / state, batch_size=8, lr=0.05,
+                                  backend="ort", **config))
+
+    return make
+
+
+@pytest.fixture
+def models(make_device: Callable[..., Device]) -> Callable[[int], dict[str, np.ndarray]]:
+    """models(k) -> the coordinator's model of round k: the export's shared tensors, scaled by 1 + k/100."""
+    agent = make_device("models").agent
+    initial = agent.backend.read(agent.manifest.names(shared=True))
+    return lambda k: {n: (x * np.float32(1 + k / 100)).astype(x.dtype) for n, x in initial.items()}
+
+
+# ------------------------------------------------------------ the protocol
+
+
+def test_a_round_trains_from_the_rounds_model_and_sends_only_the_shared_tensors(make_device, models) -> None:
+    device = make_device()
+    agent = device.agent
+    announced = agent.connected()
+    assert [(m.topic, m.retain) for m in announced] == [(f"{BASE}/presence/{DEVICE}", True),
+                                                       (f"{BASE}/register/{DEVICE}", True)]
+    register = json.loads(announced[1].payload)
+    assert register["n_samples"] == 16 and register["base_digest"] == agent.manifest.base_digest
+
+    blob = st_save(models(1))
+    assert device.feed([round_info(blob, 1, agent.manifest.base_digest)]) == []  # the model is not here yet
+    chunks = chunk_frames(blob, "r1", 1)
+    assert len(chunks) > 1 and device.feed(chunks[:-1]) == []
+    _, meta, update = sent_update(device.feed(chunks[-1:]))
+    assert meta["round"] == 1 and meta["n_samples"] == 16 and meta["base_digest"] == agent.manifest.base_digest
+    assert meta["codec"] == "fp32" and 0 <= meta["metrics"]["accuracy"] <= 1
+    assert sorted(update) == sorted(agent.manifest.names(shared=True))  # no head tensor on the wire
+
+    by_hand = make_device("by-hand").agent  # the same device's data and seeds, the round's model loaded by hand
+    by_hand.backend.load(models(1))
+    expected = by_hand.train_round(1).update
+    assert all(np.array_equal(update[n], expected[n]) for n in expected)
+    assert agent.state.load(agent.manifest).round == 1
+
+
+def test_a_restarted_device_resends_its_saved_update_once_per_connection(make_device, models) -> None:
+    first = make_device()
+    first_id, _, first_update = sent_update(first.open_round(1, models(1)))
+
+    restarted = make_device()  # the same state dir: killed after saving, before the coordinator had the update
+    assert any("restored the head of round 1" in line for line in restarted.logs)
+    assert [m.topic for m in restarted.agent.connected()] == [f"{BASE}/presence/{DEVICE}",
+                                                              f"{BASE}/register/{DEVICE}"]
+    blob_id, meta, update = sent_update(restarted.open_round(1, models(1)))
+    assert meta["round"] == 1 and blob_id != first_id  # a fresh blob id per attempt
+    assert all(np.array_equal(update[n], first_update[n]) for n in first_update)  # the saved one, not retrained
+    assert any("round 1: already trained" in line for line in restarted.logs)
+    assert not any("served accuracy" in line for line in restarted.logs)
+
+    extended = round_info(st_save(models(1)), 1, restarted.agent.manifest.base_digest, deadline=2.0e9)
+    assert restarted.feed([extended]) == []  # a re-published RoundInfo: already sent on this connection
+    reconnected = restarted.agent.connected()  # the broker may have lost it: send it again
+    assert sent_update(reconnected)[1]["round"] == 1
+
+
+def test_unknown_device_makes_it_register_again_and_resend(make_device, models) -> None:
+    device = make_device()
+    sent_update(device.open_round(1, models(1)))
+    error_topic = f"{BASE}/error/{DEVICE}"
+
+    def error(code: str, round_: int) -> Message:
+        return error_topic, json.dumps({"v": 1, "code": code, "message": "m", "round": round_}).encode()
+
+    out = device.feed([error("unknown_device", 1)])
+    register = [m for m in out if m.topic == f"{BASE}/register/{DEVICE}"]
+    assert len(register) == 1 and register[0].retain and json.loads(register[0].payload)["n_samples"] == 16
+    assert sent_update(out)[1]["round"] == 1
+    assert device.feed([error("unknown_device", 2), error("late_update", 1), error("duplicate_update", 1)]) == []
+    with pytest.raises(AgentError, match="refused this export"):
+        device.feed([error("digest_mismatch", 1)])
+
+
+def test_a_stale_round_info_is_ignored(make_device, models) -> None:
+    device = make_device()
+    sent_update(device.open_round(1, models(1)))
+    sent_update(device.open_round(2, models(2)))
+    before = device.tensors()
+    assert device.open_round(1, models(1)) == []
+    assert any("stale" in line for line in device.logs)
+    after = device.tensors()
+    assert all(np.array_equal(before[n], after[n]) for n in before)
+    assert device.agent.state.load(device.agent.manifest).round == 2
+    digest = device.agent.manifest.base_digest
+    assert device.feed([round_info(st_save(models(2)), 2, digest)]) == []  # round 2 is still the one it answered
+
+
+@pytest.mark.parametrize("order", ["round info first", "blob first"])
+def test_a_blob_that_is_not_the_rounds_sha256_is_ignored_until_the_right_one_comes(make_device, models,
+                                                                                   order: str) -> None:
+    device = make_device()
+    digest = device.agent.manifest.base_digest
+    right = st_save(models(1))
+    forged_tensors = models(1)
+    name = next(iter(forged_tensors))
+    forged_tensors[name] = forged_tensors[name] + np.float32(0.5)
+    forged = st_save(forged_tensors)
+    info = round_info(right, 1, digest)
+    before = device.tensors()
+    messages = [info, *chunk_frames(forged, "r1", 1)]
+    assert device.feed(messages if order == "round info first" else messages[::-1]) == []
+    assert sum("does not match the round's sha256" in line for line in device.logs) == 1
+    after = device.tensors()
+    assert all(np.array_equal(before[n], after[n]) for n in before) and device.agent.saved is None
+    _, meta, _ = sent_update(device.feed(chunk_frames(right, "r1", 1)))
+    assert meta["round"] == 1
+
+
+def test_a_device_that_missed_rounds_joins_the_open_one(make_device, models) -> None:
+    device = make_device()
+    sent_update(device.open_round(1, models(1)))
+    _, meta, _ = sent_update(device.open_round(4, models(4), rounds=5))
+    assert meta["round"] == 4 and device.agent.state.load(device.agent.manifest).round == 4
+
+
+def test_the_finished_run_writes_the_final_models_accuracy(make_device, models, tmp_path: Path) -> None:
+    device = make_device()
+    sent_update(device.open_round(1, models(1)))
+    head = device.agent.backend.read(device.agent.manifest.names(shared=False))
+    assert device.open_round(3, models(3), state="finished", blob_id="final") == []
+    agent = device.agent
+    assert agent.final_accuracy is not None and 0 <= agent.final_accuracy <= 1
+    record = json.loads((tmp_path / "state" / FINAL_FILE).read_text())
+    assert record["rounds"] == 3 and record["accuracy"] == agent.final_accuracy
+    now = device.tensors()
+    assert all(np.array_equal(now[n], x) for n, x in models(3).items())  # the final base, served with
+    assert all(np.array_equal(now[n], x) for n, x in head.items())  # the device's own head
+
+
+# ------------------------------------------------------------ forged or corrupt input (issue: untrusted peers)
+
+
+def _safetensors_with_header(header: object) -> bytes:
+    head = json.dumps(header).encode()
+    return struct.pack("<Q", len(head)) + head
+
+
+def _forged_pair(blob: bytes, digest: str) -> list[Message]:
+    """A well-formed RoundInfo of round 2 naming `blob`, and its chunks."""
+    return [round_info(blob, 2, digest), *chunk_frames(blob, "r2", 2)]
+
+
+def _reshaped(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    name = next(n for n, x in tensors.items() if x.ndim > 1)
+    return {**tensors, name: tensors[name].reshape(-1)}
+
+
+def _with_nan(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    name = next(iter(tensors))
+    poisoned = tensors[name].copy()
+    poisoned.flat[0] = np.nan
+    return {**tensors, name: poisoned}
+
+
+def _flip_a_byte(message: Message) -> Message:
+    topic, payload = message
+    return topic, payload[:-1] + bytes([payload[-1] ^ 0xFF])
+
+
+def _declaring(message: Message, **fields: object) -> Message:
+    """A chunk whose header says something else (its CRC recomputed, so only the header is wrong)."""
+    header, data = read_frame(message[1])
+    return message[0], frame({**header, **fields}, data)
+
+
+# Each case: (forged messages given the round-2 model blob, the agent and the head's names), the log's words.
+FORGERIES: dict[str, tuple[Callable[[bytes, Agent, dict], list[Message]], str]] = {
+    "another export's RoundInfo": (
+        lambda blob, agent, t: [round_info(blob, 2, "sha256:" + "0" * 64)], "another export"),
+    "a list-shaped RoundInfo": (lambda blob, agent, t: [(ROUND_TOPIC, b"[2, 3]")], "bad message"),
+    "a RoundInfo with a string round": (
+        lambda blob, agent, t: [round_info(blob, 2, agent.manifest.base_digest, round="2")], "bad message"),
+    "a RoundInfo with a round beyond float range": (
+        lambda blob, agent, t: [round_info(blob, 2, agent.manifest.base_digest, round=10**400)], "round"),
+    "a RoundInfo with a NaN deadline": (
+        lambda blob, agent, t: [(ROUND_TOPIC, round_info(blob, 2, agent.manifest.base_digest)[1].replace(
+            b'"deadline": 1900000000.0', b'"deadline": NaN'))], "bad message"),
+    "a round beyond the run's last": (
+        lambda blob, agent, t: [round_info(blob, 5, agent.manifest.base_digest, rounds=3)], "of a run of 3"),
+    "an oversized model declared": (
+        lambda blob, agent, t: [round_info(blob, 2, agent.manifest.base_digest, size=10**9)], "declares"),
+    "a model with NaN": (
+        lambda blob, agent, t: _forged_pair(st_save(_with_nan(st_load(blob))), agent.manifest.base_digest),
+        "refused model r2"),
+    "a model with a wrong shape": (
+        lambda blob, agent, t: _forged_pair(st_save(_reshaped(st_load(blob))), agent.manifest.base_digest),
+        "refused model r2"),
+    "a model with a list-shaped safetensors header": (
+        lambda blob, agent, t: _forged_pair(_safetensors_with_header([1, 2]), agent.manifest.base_digest),
+        "refused model r2"),
+    "a model carrying the head": (
+        lambda blob, agent, t: _forged_pair(st_save({**st_load(blob), **t}), agent.manifest.base_digest),
+        "refused model r2"),
+    "a compressed model": (
+        lambda blob, agent, t: _forged_pair(
+            st_save({n: x.astype(np.float16) for n, x in st_load(blob).items()}, {"fedper.codec": "fp16"}),
+            agent.manifest.base_digest),
+        "refused model r2"),
+    "another blob under the round's blob id": (
+        lambda blob, agent, t: [round_info(blob, 2, agent.manifest.base_digest),
+                                *chunk_frames(st_save(_with_nan(st_load(blob))), "r2", 2)],
+        "does not match the round's sha256"),
+    "every chunk corrupt": (
+        lambda blob, agent, t: [round_info(blob, 2, agent.manifest.base_digest),
+                                *map(_flip_a_byte, chunk_frames(blob, "r2", 2))], "crc32"),
+    "an oversized blob declared in a chunk": (
+        lambda blob, agent, t: [round_info(blob, 2, agent.manifest.base_digest),
+                                _declaring(chunk_frames(blob, "r2", 2)[0], size=10**9)], "oversized"),
+    "chunks on another blob's topic": (
+        lambda blob, agent, t: [round_info(blob, 2, agent.manifest.base_digest),
+                                *[(topic.replace("/r2/", "/r9/"), payload)
+                                  for topic, payload in chunk_frames(blob, "r2", 2)]], "another blob's topic"),
+}
+
+
+@pytest.mark.parametrize("case", list(FORGERIES))
+def test_forged_or_corrupt_input_is_refused_in_one_line_and_the_right_round_still_trains(
+        make_device, models, case: str) -> None:
+    device = make_device()
+    agent = device.agent
+    sent_update(device.open_round(1, models(1)))
+    saved_before, before, logged = agent.state.load(agent.manifest), device.tensors(), len(device.logs)
+    head = agent.backend.read(agent.manifest.names(shared=False))
+    forge, words = FORGERIES[case]
+
+    assert device.feed(forge(st_save(models(2)), agent, head)) == []
+    new = device.logs[logged:]
+    assert len(new) == 1 and words in new[0], new
+    after, saved_after = device.tensors(), agent.state.load(agent.manifest)
+    assert all(np.array_equal(before[n], after[n]) for n in before)  # neither the model nor the head changed
+    assert saved_after.round == 1 and all(np.array_equal(saved_after.local[n], saved_before.local[n]) for n in head)
+
+    _, meta, _ = sent_update(device.open_round(2, models(2)))  # the coordinator's real round 2
+    assert meta["round"] == 2 and agent.state.load(agent.manifest).round == 2
