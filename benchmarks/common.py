@@ -1,7 +1,13 @@
-"""Helpers the benchmark scripts share: medians, markdown tables, JSON output, the machine line."""
+"""What the benchmark scripts share: the command line, medians, markdown tables, JSON output, the machine line.
+
+A benchmark module defines `run(out, quick) -> str` (measure, write `out`/<name>.json, return its table)
+and ends with `if __name__ == "__main__": main(run, __doc__, quick="what --quick does")`; run_all.py
+calls the same `run` of every module.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -46,3 +52,15 @@ def write_json(out: Path, name: str, payload: dict[str, Any]) -> Path:
     path = out / f"{name}.json"
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
     return path
+
+
+Run = Callable[[Path, bool], str]
+
+
+def main(run: Run, doc: str | None, quick: str) -> None:
+    """The command line of every benchmark: `[--quick] [--out FOLDER]`, then print its table."""
+    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/bench"), help="folder for the JSON results")
+    parser.add_argument("--quick", action="store_true", help=quick)
+    args = parser.parse_args()
+    print(run(args.out, args.quick))

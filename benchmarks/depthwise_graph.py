@@ -16,46 +16,46 @@ name), so the manifest's tensors and the checkpoint do not change; only the grap
 - `fast`: toeplitz<=8 + clip, as `fedper-export --graph fast` writes it (fedper.export.graph, whose
   modules the other variants use too).
 
-Each variant is exported by the project's own `export_artifacts` (stock and fast as it ships,
-the others with its `build_model` patched to swap the modules in), checked layer by layer against
-nn.Conv2d (1e-5), checked for one ORT training step against the stock export from the same
-weights and batch (loss, every updated tensor and the eval loss within 1e-4) and against
-PyTorch's step in float64 (is the variant as close to the exact step as the stock export is?),
-then timed in the agent's training loop (OrtBackend) against PyTorch eager on the stock model,
-interleaved repeats, medians of per-repeat ratios. Last, ORT's profile of the stock export and of
-the fastest variant, by op type.
-
-Full run ~5 minutes on an idle 2-core machine (10 under load average 4-7); --quick ~40 s.
+Stock and fast are exported by the project's own `export_artifacts`, the others by the
+exporter's own steps (torch_to_onnx, write_artifact_set) on its seeded model with the modules
+swapped in. Each is checked layer by layer against nn.Conv2d (1e-5), checked for one ORT training
+step against the stock export from the same weights and batch (loss, every updated tensor and the
+eval loss within 1e-4) and against PyTorch's step in float64 (is the variant as close to the exact
+step as the stock export is?), then timed in the agent's training loop (OrtBackend) against
+PyTorch eager on the stock model, interleaved repeats, medians of per-repeat ratios. Last, ORT's
+profile of the stock export and of the fastest variant, by op type.
 
     python benchmarks/depthwise_graph.py [--quick] [--out runs/bench]
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
-import contextlib
+import dataclasses
 import json
+import shutil
 import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from common import median, table, write_json
+from common import main, median, table, write_json
 from device_training import INPUT_SIZE, LR, NUM_CLASSES, make_data, ort_agent_rate, rate, torch_step
 from torch import nn
 
-import fedper.export.exporter as exporter
+from fedper.artifacts import artifact_sets_for
 from fedper.edge.ort_backend import OrtBackend
-from fedper.export.graph import MAX_SIDE, ClipReLU, ToeplitzDepthwise, depthwise_layers, replace
+from fedper.export.exporter import export_artifacts
+from fedper.export.graph import GRAPHS, MAX_SIDE, ClipReLU, ToeplitzDepthwise, depthwise_layers, replace
+from fedper.export.onnx_export import torch_to_onnx, write_artifact_set
 from fedper.manifest import Manifest
+from fedper.models import build_model, describe, exported_state
 
 ARCH = "mobilenet_v1"
+ALGORITHM, SEED = "fedavg", 0  # every export: one "all" set, K_P = 0, the exporter's default seeded init
 WIDTHS = (1.0, 0.5)
 BATCHES = (32, 128)
 FORWARD_TOL = 1e-5  # one swapped layer vs nn.Conv2d
@@ -132,32 +132,32 @@ def apply_variant(model: nn.Module, variant: Variant, input_size: int) -> list[d
     return checks
 
 
-@contextlib.contextmanager
-def building(variant: Variant, checks: list[dict[str, Any]]) -> Iterator[None]:
-    """export_artifacts as the project runs it, with the variant's modules swapped into the model it builds."""
-    original = exporter.build_model
-
-    def build(architecture: str, num_classes: int, width: float = 1.0, input_size: int = 32) -> nn.Module:
-        model = original(architecture, num_classes, width, input_size)  # same seeded init as the stock export
-        checks.extend(apply_variant(model, variant, input_size))
-        return model
-
-    with mock.patch.object(exporter, "build_model", build):
-        yield
+def export_variant(out: Path, variant: Variant, width: float) -> tuple[Manifest, list[dict[str, Any]]]:
+    """The exporter's own steps (fedper.export) on its seeded model with the variant's modules swapped in,
+    writing what OrtBackend loads: the training artifact sets (the manifest is returned, not saved)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        model = build_model(ARCH, NUM_CLASSES, width, INPUT_SIZE)
+    checks = apply_variant(model, variant, INPUT_SIZE)
+    manifest = describe(model, architecture=ARCH, kp=0, algorithm=ALGORITHM, input_size=INPUT_SIZE, width=width)
+    training_proto = torch_to_onnx(model, exported_state(model), manifest)
+    sets = artifact_sets_for(ALGORITHM, 0)
+    shutil.rmtree(out, ignore_errors=True)
+    for kind, folder in sets.items():
+        write_artifact_set(training_proto, manifest, kind, out / folder)
+    return dataclasses.replace(manifest, artifact_sets=sets), checks
 
 
 def export(cache: Path, variant: Variant, width: float) -> tuple[Path, Manifest, list[dict[str, Any]]]:
-    """Stock and fast through the exporter as it ships; the other variants with their modules patched in."""
+    """Stock and fast through export_artifacts as it ships; the other variants by export_variant."""
     out = cache / f"{variant.name}-w{width}".replace("<=", "le").replace("+", "_")
-    args = {"model": ARCH, "kp": 0, "num_classes": NUM_CLASSES, "input_size": INPUT_SIZE, "width": width,
-            "algorithm": "fedavg", "force": True}
+    if variant.name not in GRAPHS:
+        return out, *export_variant(out, variant, width)
     checks: list[dict[str, Any]] = []
-    if variant.name in ("stock", "fast"):
-        if variant.name == "fast":  # the same layer checks, on a model of its own
-            checks = apply_variant(exporter.build_model(ARCH, NUM_CLASSES, width, INPUT_SIZE), variant, INPUT_SIZE)
-        return out, exporter.export_artifacts(out, graph=variant.name, **args), checks
-    with building(variant, checks):
-        manifest = exporter.export_artifacts(out, **args)
+    if variant.name == "fast":  # the same layer checks, on a model of its own
+        checks = apply_variant(build_model(ARCH, NUM_CLASSES, width, INPUT_SIZE), variant, INPUT_SIZE)
+    manifest = export_artifacts(out, model=ARCH, kp=0, num_classes=NUM_CLASSES, input_size=INPUT_SIZE, width=width,
+                                algorithm=ALGORITHM, seed=SEED, graph=variant.name, force=True)
     return out, manifest, checks
 
 
@@ -175,8 +175,6 @@ def one_step(backend: OrtBackend, tensors: dict[str, np.ndarray], x: np.ndarray,
 def torch_one_step(width: float, tensors: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
                    dtype: torch.dtype = torch.float32) -> tuple[float, dict[str, np.ndarray]]:
     """The same step in PyTorch eager on the stock model; in float64 it is the exact answer all are held to."""
-    from fedper.models import build_model
-
     net = build_model(ARCH, NUM_CLASSES, width, INPUT_SIZE)
     net.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in tensors.items()}, strict=False)
     net = net.to(dtype).train()
@@ -201,7 +199,7 @@ def step_checks(backends: dict[str, OrtBackend], width: float, batch: int = 32) 
 
     PyTorch float32 vs float64 is the float32 noise floor of this step: the stem weight's gradient,
     summed over B*32*32 positions behind 27 BatchNorms, moves by ~2e-4 with summation order alone.
-    Against PyTorch, running_var is left out: ORT keeps the biased batch variance (ORT_NOTES). A Clip
+    Against PyTorch, running_var is left out: ORT keeps the biased batch variance (docs/onnxruntime-training.md). A Clip
     graph's gradient at exactly 0 is 1 (ReluGrad: 0), as PyTorch's clamp's is.
     """
     stock = backends["stock"]
@@ -387,13 +385,5 @@ def run(out: Path, quick: bool = False) -> str:
     return text
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("runs/bench"), help="folder for depthwise_graph.json")
-    parser.add_argument("--quick", action="store_true", help="width 0.5, B=32, four graphs, one repeat")
-    args = parser.parse_args()
-    print(run(args.out, args.quick))
-
-
 if __name__ == "__main__":
-    main()
+    main(run, __doc__, quick="width 0.5, B=32, four graphs, one repeat")

@@ -11,7 +11,6 @@ PyTorch channels-last, and how much of a step the input pipeline takes.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import tempfile
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import median, table, timed, write_json
+from common import main, median, table, timed, write_json
 
 from fedper.edge.backend import batch_order, run_epochs
 from fedper.edge.ort_backend import OrtBackend
@@ -266,13 +265,5 @@ def run(out: Path, quick: bool = False) -> str:
     return text
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("runs/bench"), help="folder for device_training.json")
-    parser.add_argument("--quick", action="store_true", help="one small model, one batch size, one repeat")
-    args = parser.parse_args()
-    print(run(args.out, args.quick))
-
-
 if __name__ == "__main__":
-    main()
+    main(run, __doc__, quick="one small model, one batch size, one repeat")

@@ -5,19 +5,19 @@ every client trains its local epochs on its training samples, the base is averag
 weights and every client is evaluated on its own test split. The plain loop is what one writes
 without the emulator: a model copy per client, a DataLoader over a TensorDataset, a dict average.
 
-    python benchmarks/emulator.py --out benchmarks/emulator.json
+    python benchmarks/emulator.py [--quick] [--out runs/bench]
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-import platform
+import dataclasses
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from common import main, table, write_json
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedper.emulate.data import DataConfig, load_fleet_data
@@ -67,45 +67,32 @@ def emulator(fleet: Fleet, rounds: int) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--clients", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--local-epochs", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--width", type=float, default=0.25)
-    p.add_argument("--input-size", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=2, help="alternating repeats; the best time of each is kept")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
-    a = p.parse_args()
-    device = resolve_device(a.device)
-    data = load_fleet_data(DataConfig(clients=a.clients, input_size=a.input_size), device)
-    samples = sum(data.n_train) * a.local_epochs * a.rounds
-    config = FleetConfig(width=a.width, kp=2, local_epochs=a.local_epochs, batch_size=a.batch_size, lr=0.01)
+def run(out: Path, quick: bool = False) -> str:
+    clients, rounds, repeats = (3, 1, 1) if quick else (5, 3, 3)
+    local_epochs, batch_size, width, input_size = 1, 32, 0.25, 32
+    device = resolve_device("auto")
+    data = load_fleet_data(DataConfig(clients=clients, input_size=input_size), device)
+    samples = sum(data.n_train) * local_epochs * rounds
+    config = FleetConfig(width=width, kp=2, local_epochs=local_epochs, batch_size=batch_size, lr=0.01)
     engines = ["sequential", "vmap"]
-    fleets = {e: Fleet(FleetConfig(**{**config.__dict__, "engine": e}), data) for e in engines}
+    fleets = {e: Fleet(dataclasses.replace(config, engine=e), data) for e in engines}
     best: dict[str, float] = {}
-    for _ in range(a.repeats):  # alternate, so load from other processes hits every contender alike
-        plain = plain_fedper(fleets["sequential"], a.rounds)
+    for _ in range(repeats):  # alternate, so load from other processes hits every contender alike
+        plain = plain_fedper(fleets["sequential"], rounds)
         best["plain PyTorch loop"] = min(best.get("plain PyTorch loop", plain), plain)
         for e in engines:
-            seconds = emulator(fleets[e], a.rounds)
+            seconds = emulator(fleets[e], rounds)
             best[f"emulator ({e})"] = min(best.get(f"emulator ({e})", seconds), seconds)
     baseline = samples / best["plain PyTorch loop"]
     rows = [{"name": n, "seconds": s, "samples_per_s": samples / s, "ratio_vs_plain": samples / s / baseline}
             for n, s in best.items()]
-    print(f"{samples} training samples ({a.clients} clients, {a.rounds} rounds, MobileNet-v1 x{a.width}, "
-          f"{a.input_size}px) on {device}")
-    print(f"{'contender':<24}{'seconds':>10}{'samples/s':>12}{'vs plain':>10}")
-    for r in rows:
-        print(f"{r['name']:<24}{r['seconds']:>10.2f}{r['samples_per_s']:>12.1f}{r['ratio_vs_plain']:>9.2f}x")
-    if a.out:
-        result = {"device": str(device), "threads": torch.get_num_threads(), "machine": platform.processor(),
-                  "torch": torch.__version__, "args": vars(a), "training_samples": samples, "rows": rows}
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=2)
+    setup = (f"{samples} training samples ({clients} clients, {rounds} rounds, MobileNet-v1 x{width}, "
+             f"{input_size}px, B={batch_size}) on {device}, best of {repeats} alternating repeats")
+    write_json(out, "emulator", {"setup": setup, "device": str(device), "threads": torch.get_num_threads(),
+                                 "torch": torch.__version__, "training_samples": samples, "rows": rows})
+    return setup + "\n\n" + table(["contender", "seconds", "samples/s", "vs plain"],
+                                   [[r["name"], r["seconds"], r["samples_per_s"], r["ratio_vs_plain"]] for r in rows])
 
 
 if __name__ == "__main__":
-    main()
+    main(run, __doc__, quick="3 clients, one round, one repeat")

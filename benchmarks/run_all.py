@@ -2,14 +2,14 @@
 
     python benchmarks/run_all.py [--quick] [--out runs/bench] [--only wire coordinator ...]
 
-Timings are only ever compared as ratios within one run (see docs/performance.md).
+Each module's `run(out, quick)` is the one its own command line calls (common.main). Timings are
+only ever compared as ratios within one run (see docs/performance.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import subprocess
 import sys
 import time
 import traceback
@@ -17,33 +17,24 @@ from pathlib import Path
 
 from common import machine
 
-HERE = Path(__file__).resolve().parent
-MODULES = ("device_training", "depthwise_graph", "coordinator", "wire", "round_latency")  # run(out, quick) -> table
-EXPORT_TABLE = "export_table"  # its own script and options; left out of --quick (it exports 8 full models)
-
-
-def run_export_table(out: Path) -> str:
-    script, result = HERE / f"{EXPORT_TABLE}.py", out / f"{EXPORT_TABLE}.json"
-    done = subprocess.run([sys.executable, str(script), "--out", str(result)], capture_output=True, text=True,
-                          check=True)
-    return done.stdout.strip()
+MODULES = ("device_training", "depthwise_graph", "coordinator", "wire", "round_latency", "emulator",
+           "export_table")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("runs/bench"), help="folder for the JSON results")
     parser.add_argument("--quick", action="store_true", help="a fast smoke subset of every benchmark")
-    parser.add_argument("--only", nargs="+", choices=(*MODULES, EXPORT_TABLE), help="run just these")
+    parser.add_argument("--only", nargs="+", choices=MODULES, help="run just these")
     args = parser.parse_args()
-    names = args.only or [*MODULES, *(() if args.quick else (EXPORT_TABLE,))]
+    names = args.only or MODULES
     print(f"machine: {machine()}; {'quick' if args.quick else 'full'} run; JSON in {args.out}/")
     failed = []
     for name in names:
         print(f"\n## {name}\n", flush=True)
         start = time.perf_counter()
         try:
-            text = run_export_table(args.out) if name == EXPORT_TABLE else \
-                importlib.import_module(name).run(args.out, args.quick)
+            text = importlib.import_module(name).run(args.out, args.quick)
         except Exception:  # one broken benchmark must not hide the others' results
             traceback.print_exc()
             failed.append(name)
