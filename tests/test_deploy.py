@@ -1,12 +1,14 @@
 """deploy/'s Mosquitto configuration, ACL and provisioning script, exercised on a real Mosquitto.
 
 The broker runs with deploy/mosquitto/fedper.conf as shipped, only its ports and file paths
-pointed at this test's temporary folder, over TLS with a CA made here by openssl.
+pointed at this test's temporary folder, over TLS with a CA made here by openssl. The real
+coordinator and agent run through it too, while another device tries to take over their sessions.
 """
 
 from __future__ import annotations
 
 import getpass
+import json
 import shutil
 import socket
 import ssl
@@ -17,6 +19,7 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 import pytest
 from conftest import MOSQUITTO, free_port
+from helpers.processes import Processes, agent_args, coordinator_args, finish, write_device_data
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 pytestmark = [
@@ -46,7 +49,7 @@ def broker(tmp_path_factory):
     folder = tmp_path_factory.mktemp("deploy")
     make_tls(folder)
     passwords = {}
-    for user in ("coordinator", "dev-a", "dev-b"):
+    for user in ("coordinator", "dev-a", "dev-b", "dev-c"):
         out = subprocess.run([str(DEPLOY / "provision-device.sh"), user, str(folder / "passwd")],
                              check=True, capture_output=True, text=True).stdout
         passwords[user] = dict(line.split("=", 1) for line in out.split())["FEDPER_PASSWORD"]
@@ -63,9 +66,10 @@ def broker(tmp_path_factory):
             continue
         conf.append(line)
     conf.append(f"user {getpass.getuser()}")  # as root, Mosquitto would drop to `mosquitto` and lose the files
+    conf.append(f"log_dest file {folder / 'mosquitto.log'}")  # a pipe nobody reads would block it
     (folder / "mosquitto.conf").write_text("\n".join(conf) + "\n")
-    proc = subprocess.Popen([MOSQUITTO, "-c", str(folder / "mosquitto.conf")], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([MOSQUITTO, "-c", str(folder / "mosquitto.conf")], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
@@ -73,20 +77,24 @@ def broker(tmp_path_factory):
             break
         except OSError:
             if proc.poll() is not None:
-                pytest.fail(f"mosquitto exited: {proc.stdout.read().decode()}")
+                pytest.fail(f"mosquitto exited: {proc.stderr.read().decode()}")
             time.sleep(0.05)
-    yield {"port": port, "ca": folder / "ca.crt", "passwords": passwords}
+    yield {"port": port, "ca": folder / "ca.crt", "passwords": passwords, "log": folder / "mosquitto.log"}
     proc.kill()
     proc.wait()
 
 
-def connect(broker, user: str | None, password: str | None = None, ca: Path | None = None):
+def connect(broker, user: str | None, password: str | None = None, ca: Path | None = None, client_id: str = "",
+            will: tuple[str, bytes] | None = None):
     """Connected client and its inbox, or the CONNACK failure / TLS exception."""
-    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"{user or 'anon'}-{time.monotonic_ns()}")
+    client_id = client_id or f"{user or 'anon'}-{time.monotonic_ns()}"
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
     inbox: list[tuple[str, bytes]] = []
     client.on_message = lambda _c, _u, msg: inbox.append((msg.topic, msg.payload))
     if user:
         client.username_pw_set(user, password if password is not None else broker["passwords"][user])
+    if will:
+        client.will_set(*will, qos=1, retain=True)
     client.tls_set(ca_certs=str(ca if ca is not None else broker["ca"]))
     result = {}
     client.on_connect = lambda _c, _u, _f, reason, _p: result.setdefault("rc", reason)
@@ -158,3 +166,90 @@ def test_provisioning_rejects_ids_that_are_not_topic_safe(tmp_path) -> None:
     assert result.returncode == 2
     assert "device id must match" in result.stderr
     assert not (tmp_path / "passwd").exists()
+
+
+def test_the_broker_opens_only_the_tls_listener(broker) -> None:
+    """A listener setting above the `listener` line would make Mosquitto open a default plain
+    listener on 1883 (on every interface, without TLS): the shipped file must not."""
+    opened = [line for line in broker["log"].read_text().splitlines() if "listen socket on port" in line]
+    assert opened and all(line.endswith(f"port {broker['port']}.") for line in opened), opened
+
+
+def test_a_device_cannot_take_over_another_session_by_its_client_id(broker) -> None:
+    """dev-c, logged in with its own password, connects with dev-b's client id, then with the
+    coordinator's (the service's `fedper-coordinator-<fleet>`, and its user name): each connection
+    is accepted as dev-c's own session (use_username_as_clientid), and dev-b and the coordinator
+    stay connected and working, with no last will `offline` published for either."""
+    offline_state = (f"{FLEET}/state", b'{"v":1,"status":"offline"}')
+    coordinator, coordinator_inbox, rc = connect(broker, "coordinator", client_id="fedper-coordinator-lab",
+                                                 will=offline_state)
+    assert not rc.is_failure
+    dev_b, b_inbox, rc = connect(broker, "dev-b", client_id="dev-b", will=(f"{FLEET}/presence/dev-b", b"offline"))
+    assert not rc.is_failure
+    dropped: list[str] = []
+    coordinator.on_disconnect = lambda *_: dropped.append("coordinator")
+    dev_b.on_disconnect = lambda *_: dropped.append("dev-b")
+    coordinator.subscribe(f"{FLEET}/#", qos=1)
+    dev_b.subscribe([(f"{FLEET}/error/dev-b", 1), (f"{FLEET}/state", 1)])
+    time.sleep(0.3)
+    for attempt, stolen_id in enumerate(["dev-b", "fedper-coordinator-lab", "coordinator"] * 2):
+        attacker, _, rc = connect(broker, "dev-c", client_id=stolen_id)
+        assert rc is not None and not rc.is_failure, (stolen_id, rc)  # the broker let dev-c in, as dev-c
+        time.sleep(0.3)
+        attacker.loop_stop()
+        attacker.disconnect()
+        # both victims still connected: each receives what the other publishes now
+        coordinator.publish(f"{FLEET}/error/dev-b", f"still here {attempt}".encode(), qos=1).wait_for_publish(2)
+        dev_b.publish(f"{FLEET}/update/dev-b", f"mine {attempt}".encode(), qos=1).wait_for_publish(2)
+        settle(b_inbox, attempt + 1)
+        settle(coordinator_inbox, attempt + 1)
+        assert (f"{FLEET}/error/dev-b", f"still here {attempt}".encode()) in b_inbox, stolen_id
+        assert (f"{FLEET}/update/dev-b", f"mine {attempt}".encode()) in coordinator_inbox, stolen_id
+    time.sleep(0.3)
+    assert dropped == []
+    assert coordinator.is_connected() and dev_b.is_connected()
+    assert (f"{FLEET}/presence/dev-b", b"offline") not in coordinator_inbox
+    assert offline_state not in b_inbox
+    for c in (coordinator, dev_b):
+        c.loop_stop()
+        c.disconnect()
+
+
+def test_coordinator_and_agent_run_through_the_deploy_broker_while_another_device_steals_their_ids(
+        broker, tmp_path: Path, tiny_artifacts: Path, processes: Processes) -> None:
+    """The real coordinator and a real agent (user name = device id, as deploy/README.md says)
+    finish a 2-round run over TLS through the shipped configuration, while dev-c keeps connecting
+    with their client ids: neither loses its broker, the coordinator's state never says
+    `offline`, and both of the agent's updates are folded."""
+    url, ca = f"mqtts://127.0.0.1:{broker['port']}", str(broker["ca"])
+    pw = broker["passwords"]
+    state_dir = tmp_path / "coordinator"
+    coordinator = processes.start("coordinator", *coordinator_args(
+        tiny_artifacts, url, state_dir, "lab", 2, 1, 60, "--username", "coordinator", "--password",
+        pw["coordinator"], "--tls-ca", ca))
+    data = write_device_data(tmp_path / "a.npz", (0, 1), 40)
+    agent = processes.start("dev-a", *agent_args(tiny_artifacts, data, url, "lab", "dev-a", tmp_path / "dev-a",
+                                                "--username", "dev-a", "--password", pw["dev-a"], "--tls-ca", ca))
+    observer, states_seen, _ = connect(broker, "dev-b")
+    observer.subscribe(f"{FLEET}/state", qos=1)
+    thefts = 0
+    while coordinator.poll() is None and thefts < 200:
+        for stolen_id in ("dev-a", "fedper-coordinator-lab", "coordinator"):
+            attacker, _, rc = connect(broker, "dev-c", client_id=stolen_id)
+            assert rc is not None and not rc.is_failure, (stolen_id, rc)
+            attacker.loop_stop()
+            attacker.disconnect()
+            thefts += 1
+        time.sleep(0.2)
+    assert finish(coordinator, 120, "the coordinator", processes.log("coordinator")) == 0, processes.log("coordinator")
+    assert finish(agent, 30, "the agent", processes.log("dev-a")) == 0, processes.log("dev-a")
+    observer.loop_stop()
+    observer.disconnect()
+    assert thefts >= 3
+    states = [json.loads(payload) for _, payload in states_seen if payload]
+    assert states and all(s["status"] != "offline" for s in states)
+    assert states[-1]["status"] == "finished"
+    for name in ("coordinator", "dev-a"):
+        assert "lost the broker" not in processes.log(name), processes.log(name)
+    records = [json.loads(line) for line in (state_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["participants"] for r in records] == [1, 1]
