@@ -1,0 +1,66 @@
+"""Per-device message rate limit: a token bucket per device, so one device's flood is its own problem.
+
+Pure, like the engine: the caller passes `now`. A dropped message costs a dict lookup and some
+arithmetic, before any decoding; the drops are reported (logged and answered) at most once per
+REPORT_EVERY_S per device, so a flood cannot turn into a flood of log lines or error messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+REPORT_EVERY_S = 10.0
+BURST_SECONDS = 2.0  # a device may send this many seconds' worth of messages at once (an upload's chunks)
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    at: float  # when `tokens` was last brought up to date
+    dropped: int = 0  # since the last report
+    reported_at: float = float("-inf")
+
+
+class MessageRateLimit:
+    """`rate` messages per second per device, in bursts of up to `burst` (default BURST_SECONDS x rate).
+
+    Memory: one small bucket per device that sent recently; buckets that have refilled are
+    forgotten (a full bucket is the same as a new one) once more than `max_devices` are held.
+    """
+
+    def __init__(self, rate: float, burst: float | None = None, max_devices: int = 100_000) -> None:
+        if rate <= 0:
+            raise ValueError(f"the message rate must be > 0, got {rate}")
+        self.rate = rate
+        self.burst = burst if burst is not None else max(1.0, BURST_SECONDS * rate)
+        self.max_devices = max_devices
+        self._buckets: dict[str, _Bucket] = {}
+
+    def admit(self, device: str, now: float) -> bool:
+        """Whether this message of `device` may be handled; False: drop it unread."""
+        bucket = self._buckets.get(device)
+        if bucket is None:
+            if len(self._buckets) >= self.max_devices:
+                self._forget_refilled(now)
+            bucket = self._buckets[device] = _Bucket(self.burst, now)
+        bucket.tokens = min(self.burst, bucket.tokens + (now - bucket.at) * self.rate)
+        bucket.at = now
+        if bucket.tokens >= 1.0:
+            bucket.tokens -= 1.0
+            return True
+        bucket.dropped += 1
+        return False
+
+    def report_due(self, device: str, now: float) -> int:
+        """After a drop: the number of the device's messages dropped since its last report when a
+        report is due (at most one per REPORT_EVERY_S), else 0."""
+        bucket = self._buckets.get(device)
+        if bucket is None or bucket.dropped == 0 or now - bucket.reported_at < REPORT_EVERY_S:
+            return 0
+        dropped, bucket.dropped, bucket.reported_at = bucket.dropped, 0, now
+        return dropped
+
+    def _forget_refilled(self, now: float) -> None:
+        full = [d for d, b in self._buckets.items() if b.tokens + (now - b.at) * self.rate >= self.burst]
+        for device in full:
+            del self._buckets[device]
