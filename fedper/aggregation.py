@@ -8,6 +8,7 @@ path runs the very same rule).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,6 +29,34 @@ def _fold_numpy(acc: np.ndarray, value: np.ndarray, weight: float, scratch: np.n
         weighted = scratch[: block.size]
         np.multiply(block, weight, out=weighted, dtype=np.float64)  # not in float32, then cast
         flat_acc[start : start + block.size] += weighted
+
+
+def _weight(n_samples: float, total_weight: float) -> float:
+    """n_samples as a positive finite float weight that keeps the running total finite; ValueError otherwise
+    (an integer like 10**400 has no float: checked here, before a rule changes anything)."""
+    try:
+        weight = float(n_samples)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"a sample count must be a number of float range, got a {type(n_samples).__name__}") from None
+    if not (math.isfinite(weight) and weight > 0 and math.isfinite(total_weight + weight)):
+        raise ValueError(f"an update needs a positive sample count that keeps the total finite, got {weight}")
+    return weight
+
+
+def _check_layout(tensors: Mapping[str, Tensor], shapes: Mapping[str, tuple[int, ...]] | None) -> None:
+    """Every value an array of numbers and, when a layout is set, exactly its names and shapes; ValueError otherwise."""
+    for name, value in tensors.items():
+        dtype = getattr(value, "dtype", None)
+        if not hasattr(value, "shape") or (isinstance(value, np.ndarray) and dtype.kind not in "biuf"):
+            raise ValueError(f"update tensor {name!r} must be a numeric array, got {type(value).__name__} {dtype}")
+    if shapes is None:
+        return
+    if set(tensors) != set(shapes):
+        missing, extra = set(shapes) - set(tensors), set(tensors) - set(shapes)
+        raise ValueError(f"update layout differs: missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]}")
+    for name, value in tensors.items():
+        if tuple(value.shape) != tuple(shapes[name]):
+            raise ValueError(f"update layout differs: {name} has shape {tuple(value.shape)}, not {tuple(shapes[name])}")
 
 
 def _scaled(acc: Tensor, scale: float, dtype: Any) -> Tensor:
@@ -53,22 +82,21 @@ class WeightedMean:
         self.count = 0
 
     def add(self, tensors: Mapping[str, Tensor], n_samples: float) -> None:
-        if n_samples <= 0:
-            raise ValueError(f"an update needs a positive sample count, got {n_samples}")
-        if self._sum and set(tensors) != set(self._sum):
-            missing, extra = set(self._sum) - set(tensors), set(tensors) - set(self._sum)
-            raise ValueError(f"update layout differs: missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]}")
+        """Fold one update in, all or nothing: every check (the weight, the layout) runs before the sum
+        changes, so a refused update (ValueError) leaves the rule as it was."""
+        weight = _weight(n_samples, self.total_weight)
+        _check_layout(tensors, {name: acc.shape for name, acc in self._sum.items()} if self._sum else None)
         for name, value in tensors.items():
             self._dtype.setdefault(name, value.dtype)
             if isinstance(value, np.ndarray):
                 if name not in self._sum:
                     self._sum[name] = np.zeros(value.shape, np.float64)
-                _fold_numpy(self._sum[name], value, float(n_samples), self._scratch)
+                _fold_numpy(self._sum[name], value, weight, self._scratch)
             elif name in self._sum:  # torch
-                self._sum[name] += value.double() * float(n_samples)
+                self._sum[name] += value.double() * weight
             else:
-                self._sum[name] = value.double() * float(n_samples)
-        self.total_weight += float(n_samples)
+                self._sum[name] = value.double() * weight
+        self.total_weight += weight
         self.count += 1
 
     @classmethod
@@ -126,12 +154,12 @@ class _Collect:
         self.count = 0
 
     def add(self, tensors: Mapping[str, Any], n_samples: float) -> None:
-        if n_samples <= 0:
-            raise ValueError(f"an update needs a positive sample count, got {n_samples}")
-        if self._updates and set(tensors) != set(self._updates[0]):
-            raise ValueError("update layout differs from the first update's")
+        """Keep one update, all or nothing: a refused one (ValueError) leaves the rule as it was."""
+        weight = _weight(n_samples, self.total_weight)
+        first = self._updates[0] if self._updates else None
+        _check_layout(tensors, {name: value.shape for name, value in first.items()} if first else None)
         self._updates.append(dict(tensors))
-        self.total_weight += float(n_samples)
+        self.total_weight += weight
         self.count += 1
 
     def result(self) -> dict[str, Any]:

@@ -4,7 +4,8 @@ It throws malformed, truncated, bit-flipped, oversized, NaN/Inf, wrong-shape, wr
 wrong-digest, wrong-round, unregistered and replayed messages at the coordinator's topics while
 round 1 is open (and replays in round 2). Every one must be refused, answered and counted exactly
 once, the process must keep serving, and the final model must be the good devices' weighted mean.
-(test_coordinator_engine.py fuzzes the engine in-process; test_coordinator_live.py sends one of each.)
+(test_coordinator_engine.py and test_untrusted_engine.py fuzz the engine in-process, the latter with frames
+built by hand; test_coordinator_live.py sends one of each.)
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def fuzz_message(rng: np.random.Generator, i: int, manifest: Manifest, base: dic
     if kind == "round":
         return kind, update, frame(base, round=int(rng.choice([0, 2, 7, -1, 2**40])))
     if kind == "n_samples":
-        return kind, update, frame(base, n_samples=[0, -3, "5", 1.5, None, True][int(rng.integers(0, 6))])
+        claims = [0, -3, "5", 1.5, None, True, 6, 10**12, 10**400]  # it registered 5: 6 and 10**12 are well-formed lies
+        return kind, update, frame(base, n_samples=claims[int(rng.integers(0, len(claims)))])
     if kind == "meta_type":
         return kind, update, frame(base, metrics="fast") if rng.random() < 0.5 else frame(base, round="1")
     if kind in ("version", "no_field"):
@@ -106,7 +108,9 @@ def fuzz_message(rng: np.random.Generator, i: int, manifest: Manifest, base: dic
         return kind, TOPICS.update(f"ghost{i}"), valid
     if kind == "register":
         bad = [b"{", b"[]", json.dumps({"v": 1, "n_samples": 0, "base_digest": digest, "software": "x"}).encode(),
-               Register(5, "sha256:" + "0" * 64, "x").encode(), json.dumps({"v": 2}).encode()]
+               Register(5, "sha256:" + "0" * 64, "x").encode(), json.dumps({"v": 2}).encode(),
+               *(json.dumps({"v": 1, "n_samples": n, "base_digest": digest, "software": "x"}).encode()
+                 for n in (10**400, 2_000_000))]  # beyond any float; above --max-samples-per-device
         return kind, TOPICS.register(f"reg{i}"), bad[int(rng.integers(0, len(bad)))]
     return kind, TOPICS.update("a"), replay[0]  # a's accepted round-1 update, again
 
@@ -166,7 +170,7 @@ def test_fuzzing_a_live_coordinator_changes_nothing(mosquitto, tmp_path: Path, p
     assert rejected == counted == len(answers.messages), (rejected, counted, len(answers.messages), counters)
     assert counters["accepted"] == 4 and [r["participants"] for r in metrics(state)] == [2, 2]
     assert set(counters) >= {"bad_chunk", "bad_message", "bad_tensors", "digest_mismatch", "late_update",
-                             "unknown_device", "duplicate_update", "rejected"}
+                             "unknown_device", "duplicate_update", "n_samples_mismatch", "too_many_samples"}
     for d in good:
         d.respond = True
     assert_model(state / "final.safetensors", expected_model(initial, good, 2))
