@@ -2,7 +2,8 @@
 
 It throws malformed, truncated, bit-flipped, oversized, NaN/Inf, wrong-shape, wrong-dtype,
 wrong-digest, wrong-round, unregistered and replayed messages at the coordinator's topics while
-round 1 is open (and replays in round 2). Every one must be refused, answered and counted exactly
+round 1 is open (and replays in round 2), every frame built by hand (json, struct, zlib, hashlib and
+safetensors' own writer), not with fedper.wire. Every one must be refused, answered and counted exactly
 once, the process must keep serving, and the final model must be the good devices' weighted mean.
 (test_coordinator_engine.py and test_untrusted_engine.py fuzz the engine in-process, the latter with frames
 built by hand; test_coordinator_live.py sends one of each.)
@@ -10,6 +11,7 @@ built by hand; test_coordinator_live.py sends one of each.)
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 import time
@@ -35,13 +37,29 @@ from test_coordinator_live import (
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
 from fedper.manifest import Manifest
-from fedper.payload import decode_shared, encode_shared
-from fedper.wire import Register, UpdateMeta, chunk, decode_frame, encode_frame
+from fedper.payload import decode_shared
 
 pytestmark = pytest.mark.mosquitto
 FUZZ_SECONDS = 6.0
 MAX_IN_FLIGHT = 200  # unanswered fuzz messages: stays under Mosquitto's per-client queue (1000)
 EVIL = "fuzz"
+
+
+def hand_frame(header: dict[str, object], body: bytes) -> bytes:
+    """docs/protocol.md section 5, by hand: u32 header length, u32 crc32 of header + data, JSON header, data."""
+    head = json.dumps({"v": 1, **header}, separators=(",", ":")).encode()
+    return struct.pack(">II", len(head), zlib.crc32(head + body)) + head + body
+
+
+def chunk_header(blob: bytes, chunk_size: int, blob_id: str, meta: dict[str, object], index: int = 0) -> dict:
+    return {"blob_id": blob_id, "index": index, "count": max(1, -(-len(blob) // chunk_size)), "size": len(blob),
+            "chunk_size": chunk_size, "sha256": hashlib.sha256(blob).hexdigest(), "meta": meta}
+
+
+def hand_chunks(blob: bytes, chunk_size: int, blob_id: str, meta: dict[str, object]) -> list[bytes]:
+    header = chunk_header(blob, chunk_size, blob_id, meta)
+    return [hand_frame({**header, "index": i}, blob[i * chunk_size : (i + 1) * chunk_size])
+            for i in range(header["count"])]
 
 
 def fuzz_message(rng: np.random.Generator, i: int, manifest: Manifest, base: dict[str, np.ndarray],
@@ -52,7 +70,7 @@ def fuzz_message(rng: np.random.Generator, i: int, manifest: Manifest, base: dic
 
     def frame(tensors: dict[str, np.ndarray] | bytes, **meta_changes: object) -> bytes:
         blob = tensors if isinstance(tensors, bytes) else save(tensors)
-        [single] = chunk(blob, 1 << 20, f"z{i}", {**meta, **meta_changes})
+        [single] = hand_chunks(blob, 1 << 20, f"z{i}", {**meta, **meta_changes})
         return single
 
     valid = frame(base)
@@ -72,10 +90,10 @@ def fuzz_message(rng: np.random.Generator, i: int, manifest: Manifest, base: dic
         flipped[int(rng.integers(0, len(valid)))] ^= 1 << int(rng.integers(0, 8))
         return kind, update, bytes(flipped)
     if kind == "oversized":  # a header that claims a gigabyte (and the counts to match)
-        header, data = decode_frame(chunk(b"\x00" * 8, 4, f"z{i}", meta)[0])
-        return kind, update, encode_frame({**header, "size": 10**9, "count": 250_000_000}, data)
+        header = chunk_header(b"\x00" * 8, 4, f"z{i}", meta)
+        return kind, update, hand_frame({**header, "size": 10**9, "count": 250_000_000}, b"\x00" * 4)
     if kind == "huge":  # a real 1 MiB chunk of a 2 MiB blob: above the coordinator's blob limit
-        return kind, update, chunk(rng.bytes(2 << 20), 1 << 20, f"z{i}", meta)[0]
+        return kind, update, hand_chunks(rng.bytes(2 << 20), 1 << 20, f"z{i}", meta)[0]
     if kind in ("nan", "inf"):
         bad = values.copy()
         bad.flat[int(rng.integers(0, bad.size))] = np.nan if kind == "nan" else -np.inf
@@ -98,9 +116,10 @@ def fuzz_message(rng: np.random.Generator, i: int, manifest: Manifest, base: dic
     if kind == "meta_type":
         return kind, update, frame(base, metrics="fast") if rng.random() < 0.5 else frame(base, round="1")
     if kind in ("version", "no_field"):
-        header, data = decode_frame(valid)
+        blob = save(base)
+        header = chunk_header(blob, 1 << 20, f"z{i}", meta)
         header = {**header, "v": 2} if kind == "version" else {k: v for k, v in header.items() if k != "sha256"}
-        return kind, update, encode_frame(header, data)
+        return kind, update, hand_frame(header, blob)
     if kind == "nested":  # a JSON header nested deeper than any parser's recursion limit
         head = b"[" * 8000 + b"]" * 8000
         return kind, update, struct.pack(">II", len(head), zlib.crc32(head)) + head
@@ -108,7 +127,8 @@ def fuzz_message(rng: np.random.Generator, i: int, manifest: Manifest, base: dic
         return kind, TOPICS.update(f"ghost{i}"), valid
     if kind == "register":
         bad = [b"{", b"[]", json.dumps({"v": 1, "n_samples": 0, "base_digest": digest, "software": "x"}).encode(),
-               Register(5, "sha256:" + "0" * 64, "x").encode(), json.dumps({"v": 2}).encode(),
+               json.dumps({"v": 1, "n_samples": 5, "base_digest": "sha256:" + "0" * 64, "software": "x"}).encode(),
+               json.dumps({"v": 2}).encode(),
                *(json.dumps({"v": 1, "n_samples": n, "base_digest": digest, "software": "x"}).encode()
                  for n in (10**400, 2_000_000))]  # beyond any float; above --max-samples-per-device
         return kind, TOPICS.register(f"reg{i}"), bad[int(rng.integers(0, len(bad)))]
@@ -129,8 +149,8 @@ def test_fuzzing_a_live_coordinator_changes_nothing(mosquitto, tmp_path: Path, p
     base = decode_shared(manifest, evil.blobs["r1"])
     good[0].send(1, base)
     wait_for(lambda: "a" in saved_state(state)["round"]["folded"], 10, "a's round-1 update")
-    replay = chunk(encode_shared(manifest, good[0].update(base)), 1000, "r1-a",
-                   UpdateMeta(1, 10, manifest.base_digest, {"accuracy": 0.6}).to_dict())
+    a_meta = {"round": 1, "n_samples": 10, "base_digest": manifest.base_digest, "metrics": {"accuracy": 0.6}}
+    replay = hand_chunks(save(good[0].update(base)), 1000, "r1-a", a_meta)
     assert len(replay) == 1
 
     rng = np.random.default_rng(20261122)
