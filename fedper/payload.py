@@ -39,7 +39,8 @@ def encode_shared(manifest: Manifest, tensors: Mapping[str, np.ndarray], codec: 
                   base: Mapping[str, np.ndarray] | None = None) -> bytes:
     """safetensors bytes of exactly the shared tensors, in manifest order, through `codec`; `base` is
     the round's model, which a delta codec encodes against."""
-    _check(manifest, tensors, what="encode")
+    _check_names(manifest, tensors, what="encode")
+    _check_values(manifest, tensors, what="encode")
     shared = manifest.shared_tensors
     if codec == "fp32":
         return st_save({t.name: np.ascontiguousarray(tensors[t.name]) for t in shared})
@@ -66,12 +67,12 @@ def decode_shared(manifest: Manifest, blob: bytes, codec: str | None = None,
     if codec is not None and codec != sent:
         raise PayloadError(f"the update announces codec {codec!r}, its blob is {sent!r}")
     _check_names(manifest, arrays, what="decode")
-    if sent != "fp32":  # an fp32 blob holds the tensors as they are: _check below is all it needs
+    if sent != "fp32":  # an fp32 blob holds the tensors as they are: _check_values is all it needs
         try:
             arrays = compression.decode(arrays, metadata, base)
         except compression.CodecError as e:
             raise PayloadError(str(e)) from None
-    _check(manifest, arrays, what="decode")
+    _check_values(manifest, arrays, what="decode")
     return {t.name: arrays[t.name] for t in manifest.shared_tensors}
 
 
@@ -95,9 +96,8 @@ def _check_names(manifest: Manifest, tensors: Mapping[str, np.ndarray], *, what:
         raise PayloadError(f"{what}: missing {len(missing)} shared tensors, e.g. {missing[:3]}")
 
 
-def _check(manifest: Manifest, tensors: Mapping[str, np.ndarray], *, what: str) -> None:
-    """The manifest's shared layout: names, then each tensor's shape and dtype, and finite values."""
-    _check_names(manifest, tensors, what=what)
+def _check_values(manifest: Manifest, tensors: Mapping[str, np.ndarray], *, what: str) -> None:
+    """Each shared tensor (names already checked) has the manifest's shape and dtype, and finite values."""
     for spec in manifest.shared_tensors:
         arr = tensors[spec.name]
         if tuple(arr.shape) != spec.shape or str(arr.dtype) != spec.dtype:
@@ -108,9 +108,6 @@ def _check(manifest: Manifest, tensors: Mapping[str, np.ndarray], *, what: str) 
 
 
 def _metadata(blob: bytes) -> dict[str, str]:
-    """The `__metadata__` of a safetensors header (its length already checked by st_load)."""
+    """The `__metadata__` of a safetensors header that st_load accepted (so a map of strings, if any)."""
     (n,) = struct.unpack_from("<Q", blob)
-    metadata = json.loads(blob[8 : 8 + n]).get("__metadata__") or {}
-    if not isinstance(metadata, dict):
-        raise PayloadError("safetensors __metadata__ must be an object")
-    return metadata
+    return json.loads(blob[8 : 8 + n]).get("__metadata__") or {}
