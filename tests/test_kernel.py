@@ -1,4 +1,4 @@
-"""The shared kernel: manifest contract, shared-tensor packing, aggregation, algorithm rules."""
+"""The shared kernel: manifest contract, aggregation, algorithm rules (blobs: test_payload.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from fedper.aggregation import WeightedMean, weighted_mean
 from fedper.algorithms import ALGORITHMS, check_kp, get_algorithm
 from fedper.manifest import Manifest, ManifestError
 from fedper.models import build_model, describe, exported_state
-from fedper.payload import PayloadError, decode_shared, encode_shared
 
 
 @pytest.fixture(scope="module")
@@ -50,27 +49,6 @@ def test_lg_fedavg_shares_the_head_and_keeps_the_base() -> None:
     model = build_model("mobilenet_v1", 4, width=0.25)
     manifest = describe(model, architecture="mobilenet_v1", kp=1, algorithm="lg-fedavg", input_size=32)
     assert manifest.names(shared=True) == ["classifier.weight", "classifier.bias"]
-
-
-def test_encode_refuses_head_tensors_and_decode_validates(tiny) -> None:
-    _, manifest, state = tiny
-    for codec in ("fp32", "fp16", "int8", "int8-delta"):
-        with pytest.raises(PayloadError, match="never leave a device"):
-            encode_shared(manifest, state, codec, base=state)
-    shared = {n: state[n] for n in manifest.names(shared=True)}
-    blob = encode_shared(manifest, shared)
-    decoded = decode_shared(manifest, blob)
-    assert all(np.array_equal(decoded[n], shared[n]) for n in shared)
-    assert not any(n.encode() in blob for n in manifest.names(shared=False))
-
-    with pytest.raises(PayloadError, match="not a valid safetensors"):
-        decode_shared(manifest, blob[:-5])
-    bad = dict(shared, **{"blocks.0.0.weight": np.full_like(shared["blocks.0.0.weight"], np.nan)})
-    with pytest.raises(PayloadError, match="NaN or Inf"):
-        encode_shared(manifest, bad)
-    wrong = dict(shared, **{"blocks.0.0.weight": shared["blocks.0.0.weight"].astype(np.float64)})
-    with pytest.raises(PayloadError, match="float64"):
-        encode_shared(manifest, wrong)
 
 
 def test_weighted_mean_uses_sample_counts_not_update_counts() -> None:

@@ -1,14 +1,29 @@
-"""Compressed updates on the wire: a device announces its codec, the coordinator decodes and checks it."""
+"""A blob of shared tensors (fedper.payload): only the manifest's shared tensors go in, under any codec;
+decoding undoes the codec the sender announced and refuses anything that is not the shared layout."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from safetensors.numpy import save
+from vectors.make_vectors import tiny_manifest, tiny_tensors
 
 from fedper.models import build_model, describe, exported_state
 from fedper.payload import PayloadError, decode_shared, encode_shared
 from fedper.wire import Reassembler, UpdateMeta, WireError, chunk, decode_chunk
+
+
+def test_decoded_tensors_are_validated() -> None:
+    manifest = tiny_manifest()
+    assert set(decode_shared(manifest, encode_shared(manifest, tiny_tensors()))) == {"stem.weight", "stem.bias"}
+    for bad in ({**tiny_tensors(), "stem.bias": np.array([np.nan, 0], np.float32)},
+                {**tiny_tensors(), "stem.bias": np.zeros(3, np.float32)},
+                {**tiny_tensors(), "stem.bias": np.zeros(2, np.float64)}, {"stem.bias": np.zeros(2, np.float32)}):
+        with pytest.raises(WireError) as e:
+            decode_shared(manifest, save(bad))
+        assert e.value.code == "bad_tensors"
+    with pytest.raises(PayloadError, match="not a valid safetensors"):
+        decode_shared(manifest, b"\x00" * 40)
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +68,25 @@ def test_codecs_shrink_the_update_and_decode_within_their_precision(fleet, codec
             assert np.abs(decoded[name] - value).max() <= tolerance * scale, name
 
 
-@pytest.mark.parametrize("codec", ["fp16", "int8"])
-def test_compressed_updates_still_refuse_device_local_tensors(fleet, codec) -> None:
+def test_encode_refuses_head_tensors_under_every_codec_and_decode_validates(fleet) -> None:
     manifest, state, _ = fleet
-    with pytest.raises(PayloadError, match="never leave a device"):
-        encode_shared(manifest, state, codec)
+    for codec in ("fp32", "fp16", "int8", "int8-delta"):
+        with pytest.raises(PayloadError, match="never leave a device"):
+            encode_shared(manifest, state, codec, base=state)
+    shared = {n: state[n] for n in manifest.names(shared=True)}
+    blob = encode_shared(manifest, shared)
+    decoded = decode_shared(manifest, blob)
+    assert all(np.array_equal(decoded[n], shared[n]) for n in shared)
+    assert not any(n.encode() in blob for n in manifest.names(shared=False))
+
+    with pytest.raises(PayloadError, match="not a valid safetensors"):
+        decode_shared(manifest, blob[:-5])
+    bad = dict(shared, **{"blocks.0.0.weight": np.full_like(shared["blocks.0.0.weight"], np.nan)})
+    with pytest.raises(PayloadError, match="NaN or Inf"):
+        encode_shared(manifest, bad)
+    wrong = dict(shared, **{"blocks.0.0.weight": shared["blocks.0.0.weight"].astype(np.float64)})
+    with pytest.raises(PayloadError, match="float64"):
+        encode_shared(manifest, wrong)
 
 
 def test_int8_delta_updates_decode_against_the_rounds_model(fleet) -> None:
