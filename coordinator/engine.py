@@ -100,6 +100,15 @@ class Folded:
 
 
 @dataclass
+class _Files:
+    """The tensor files of the checkpoint that state.json names as current."""
+
+    model: str = ""  # the open round's model; "" until the first start writes it
+    partial: str | None = None  # the weighted mean's float64 running sum, if one was written this round
+    updates: dict[str, str] = field(default_factory=dict)  # device -> its accepted update as received, after it
+
+
+@dataclass
 class _Round:
     """What a restart must not lose about the open round."""
 
@@ -135,7 +144,7 @@ class Coordinator:
         self._published_blob: tuple[str, int] | None = None  # retained chunks to clear when the model changes
         self._state_dirty = True
         self._last_state = -1e18
-        self._files: dict[str, Any] = {}
+        self._files = _Files()
         saved = store.load_state()
         if saved is not None:
             self._resume(saved)
@@ -144,8 +153,8 @@ class Coordinator:
 
     def start(self, now: float) -> list[Outgoing]:
         """Open the current round (round 1 on a fresh state directory) and announce it."""
-        if "model" not in self._files:
-            self._files["model"] = self.store.write_tensors("model-r1.safetensors", self.model)
+        if not self._files.model:
+            self._files.model = self.store.write_tensors("model-r1.safetensors", self.model)
             self._commit()
         self._opened_at = now
         self._deadline = now + self.config.round_timeout
@@ -157,7 +166,7 @@ class Coordinator:
             raise ValueError(f"{self.store.dir} holds the state of a run with another export (base_digest "
                              f"{saved.get('base_digest')}): use a fresh --state-dir")
         self.model = decode_shared(self.manifest, encode_shared(self.manifest, self.store.read_tensors(saved["model"])))
-        self._files["model"] = saved["model"]
+        self._files.model = saved["model"]
         self.registered = {device: Registration(**entry) for device, entry in saved["registered"].items()}
         self.counters = Counter(saved["counters"])
         self.finished = saved["finished"]
@@ -165,14 +174,14 @@ class Coordinator:
         folded = {device: Folded(**entry) for device, entry in r["folded"].items()}
         self.round = _Round(r["number"], folded, r["bytes_received"], r["extensions"], Counter(r["rejected"]))
         if saved.get("partial"):
-            self._files["partial"] = saved["partial"]
+            self._files.partial = saved["partial"]
             blobs = saved.get("updates", {})  # the partial sum holds the folded updates not kept as blobs
             in_partial = [f.n_samples for device, f in self.round.folded.items() if device not in blobs]
             dtypes = {t.name: t.dtype for t in self.manifest.shared_tensors}
             self._aggregator = WeightedMean.from_sums(self.store.read_tensors(saved["partial"]),
                                                       float(sum(in_partial)), len(in_partial), dtypes)
         for device, blob_name in saved.get("updates", {}).items():
-            self._files.setdefault("updates", {})[device] = blob_name
+            self._files.updates[device] = blob_name
             tensors = decode_shared(self.manifest, self.store.read_bytes(blob_name), base=self.model)
             self._aggregator.add(self._prepared(tensors), self.round.folded[device].n_samples)
         log.info("resumed from %s: round %d of %d, %d update(s) already accepted, %d device(s) registered",
@@ -301,13 +310,13 @@ class Coordinator:
         except ValueError as e:
             raise WireError("rejected", f"the aggregation rule refused the update: {e}") from None
         self.round.folded[device] = Folded(n_samples, metrics)
-        updates = self._files.setdefault("updates", {})
-        if isinstance(self._aggregator, WeightedMean) and len(updates) + 1 >= PARTIAL_EVERY:
-            self._files["partial"] = self.store.write_tensors(f"partial-r{k}-{len(self.round.folded)}.safetensors",
-                                                              self._aggregator.sums())
-            self._files["updates"] = {}  # the partial covers them; the commit deletes their files
+        files = self._files
+        if isinstance(self._aggregator, WeightedMean) and len(files.updates) + 1 >= PARTIAL_EVERY:
+            files.partial = self.store.write_tensors(f"partial-r{k}-{len(self.round.folded)}.safetensors",
+                                                     self._aggregator.sums())
+            files.updates = {}  # the partial covers them; the commit deletes their files
         else:
-            updates[device] = self.store.write_bytes(f"update-r{k}-{device}.safetensors", blob)
+            files.updates[device] = self.store.write_bytes(f"update-r{k}-{device}.safetensors", blob)
         self.counters["accepted"] += 1
         self._commit()
         log.debug("round %d: accepted %s (%d samples, accuracy %s) [%d/%d]", k, device, n_samples,
@@ -385,7 +394,7 @@ class Coordinator:
         self._aggregator = AGGREGATORS[self.config.aggregator]()
         self._reassembler.discard()
         self._rejected.clear()
-        self._files = {"model": self.store.write_tensors(f"model-r{closed.number + 1}.safetensors", self.model)}
+        self._files = _Files(self.store.write_tensors(f"model-r{closed.number + 1}.safetensors", self.model))
         if self.finished:
             self.store.write_tensors(FINAL_FILE, self.model)
         self._commit()
@@ -422,9 +431,9 @@ class Coordinator:
             "round": {"number": r.number, "folded": {d: asdict(f) for d, f in r.folded.items()},
                       "bytes_received": r.bytes_received,
                       "extensions": r.extensions, "rejected": dict(r.rejected)},
-            "model": self._files["model"],
-            "partial": self._files.get("partial"),
-            "updates": self._files.get("updates", {}),
+            "model": self._files.model,
+            "partial": self._files.partial,
+            "updates": self._files.updates,
             "registered": {device: asdict(entry) for device, entry in self.registered.items()},
             "counters": dict(self.counters),
             "finished": self.finished,
