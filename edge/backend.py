@@ -62,13 +62,6 @@ class Backend(Protocol):
         """(accuracy, mean loss) of the model as it is now, in inference mode."""
 
 
-def trained_names(manifest: Manifest, trained: str) -> list[str]:
-    """The manifest's trainable tensors that a phase training `trained` updates by gradient."""
-    if trained not in ("all", "head", "base"):
-        raise ValueError(f"a phase trains 'all', 'head' or 'base', not {trained!r}")
-    return [t.name for t in manifest.tensors if t.trainable and trained in ("all", t.role)]
-
-
 def run_epochs(
     step, n: int, *, epochs: int, batch_size: int, seed: int | Sequence[int]
 ) -> TrainStats:

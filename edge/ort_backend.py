@@ -1,8 +1,9 @@
 """Local training with onnxruntime-training over the exported artifact sets.
 
 One CheckpointState + Module + Optimizer per artifact set ("all", "head", "base"): requires_grad
-is baked into a checkpoint, so freezing means switching sets (ORT_NOTES). The set trained last
-holds the current tensors; switching copies every manifest tensor into the next set by name.
+is baked into a checkpoint, so freezing means switching sets (docs/onnxruntime-training.md). The
+set trained last holds the current tensors; switching copies every manifest tensor into the next
+set by name.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from fedper.edge.backend import TrainStats, evaluate_batches, run_epochs, trained_names
+from fedper.algorithms import check_trained
+from fedper.artifacts import CHECKPOINT_FILE, EVAL_MODEL, OPTIMIZER_MODEL, TRAINING_MODEL
+from fedper.edge.backend import TrainStats, evaluate_batches, run_epochs
 from fedper.manifest import Manifest, ManifestError
 
 
@@ -25,12 +28,12 @@ class _ArtifactSet:
     optimizer: Any  # onnxruntime.training.api.Optimizer
 
 
-def _model_file(directory: Path, stem: str) -> str:
-    """The .onnx file, or the .ort one that `fedper-export --ort-format` writes for mobile builds."""
-    for suffix in (".onnx", ".ort"):
-        if (directory / f"{stem}{suffix}").is_file():
-            return str(directory / f"{stem}{suffix}")
-    raise ManifestError(f"{directory} has no {stem}.onnx or {stem}.ort")
+def _model_file(directory: Path, name: str) -> str:
+    """The .onnx file `name`, or the .ort one that `fedper-export --ort-format` writes for mobile builds."""
+    for path in (directory / name, (directory / name).with_suffix(".ort")):
+        if path.is_file():
+            return str(path)
+    raise ManifestError(f"{directory} has no {name} or {Path(name).with_suffix('.ort')}")
 
 
 class OrtBackend:
@@ -44,10 +47,10 @@ class OrtBackend:
         self._sets: dict[str, _ArtifactSet] = {}
         for trained, folder in manifest.artifact_sets.items():
             d = artifacts / folder
-            state = api.CheckpointState.load_checkpoint(str(d / "checkpoint"))
+            state = api.CheckpointState.load_checkpoint(str(d / CHECKPOINT_FILE))
             # The Module comes first: writing parameters on a state that has no Module yet segfaults.
-            module = api.Module(_model_file(d, "training_model"), state, _model_file(d, "eval_model"), device="cpu")
-            optimizer = api.Optimizer(_model_file(d, "optimizer_model"), module)
+            module = api.Module(_model_file(d, TRAINING_MODEL), state, _model_file(d, EVAL_MODEL), device="cpu")
+            optimizer = api.Optimizer(_model_file(d, OPTIMIZER_MODEL), module)
             missing = [n for n in self._names if n not in state.parameters]
             if missing:
                 raise ManifestError(f"{d}/checkpoint lacks {len(missing)} manifest tensors, e.g. {missing[:3]}")
@@ -83,7 +86,7 @@ class OrtBackend:
         self, trained: str, x: np.ndarray, y: np.ndarray, *, epochs: int, batch_size: int, lr: float,
         seed: int | Sequence[int],
     ) -> TrainStats:
-        trained_names(self.manifest, trained)  # validates the name
+        check_trained(trained)
         s = self._switch(trained)
         s.optimizer.set_learning_rate(lr)
         s.module.train()

@@ -6,9 +6,9 @@ the one exception to the rule that edge depends on the kernel only, imported laz
 an ORT device never loads torch through it. The weights are the artifacts' own: every tensor is
 read by name from inference.onnx (the manifest names equal the state_dict keys).
 
-BatchNorm: onnxruntime-training updates running_var with the biased batch variance, PyTorch with
-the unbiased one. The kernel's `DeferredOrtRunningVar` hook moves PyTorch's update onto ORT's, so
-that both backends produce the same update from the same state and data.
+Training is the kernel's (fedper.training, as in the emulator): the phase's tensors by plain SGD,
+the rest frozen, BatchNorm's running_var moved as onnxruntime-training moves it, so that both
+backends produce the same update from the same state and data.
 """
 
 from __future__ import annotations
@@ -18,11 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fedper.batches import DeferredOrtRunningVar
-from fedper.edge.backend import TrainStats, evaluate_batches, run_epochs, trained_names
+from fedper.artifacts import INFERENCE_FILE
+from fedper.edge.backend import EVAL_BATCH, TrainStats, run_epochs
 from fedper.manifest import Manifest, ManifestError
-
-INFERENCE_FILE = "inference.onnx"
 
 
 def inference_weights(artifacts: Path, manifest: Manifest) -> dict[str, np.ndarray]:
@@ -40,8 +38,6 @@ def inference_weights(artifacts: Path, manifest: Manifest) -> dict[str, np.ndarr
 
 class TorchBackend:
     def __init__(self, artifacts: Path, manifest: Manifest) -> None:
-        import torch
-
         from fedper.models import build_model  # the documented exception: see the module docstring
 
         m = manifest.model
@@ -51,10 +47,6 @@ class TorchBackend:
         unknown = sorted(set(self._tensors) ^ set(manifest.names()))
         if unknown:
             raise ManifestError(f"the model built from the manifest does not match its tensors: {unknown[:3]}")
-        self._batchnorm = DeferredOrtRunningVar()  # flushed at the end of every train()
-        for bn in self.model.modules():
-            if isinstance(bn, torch.nn.modules.batchnorm._BatchNorm):
-                bn.register_forward_pre_hook(self._batchnorm)
         self.load(inference_weights(artifacts, manifest))
 
     def load(self, tensors: Mapping[str, np.ndarray]) -> None:
@@ -72,38 +64,22 @@ class TorchBackend:
         seed: int | Sequence[int],
     ) -> TrainStats:
         import torch
-        import torch.nn.functional as F
 
-        names = set(trained_names(self.manifest, trained))
-        params = dict(self.model.named_parameters())
-        for name, p in params.items():
-            p.requires_grad_(name in names)
-        optimizer = torch.optim.SGD([params[n] for n in params if n in names], lr=lr)
-        self.model.train()
+        from fedper.training import ort_batchnorm, phase_optimizer, sgd_step
+
         xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+        with ort_batchnorm(self.model):
+            optimizer = phase_optimizer(self.model, self.manifest, trained, lr=lr)
 
-        def step(idx: np.ndarray) -> float:
-            optimizer.zero_grad(set_to_none=True)
-            index = torch.from_numpy(idx)
-            loss = F.cross_entropy(self.model(xt[index]), yt[index])
-            loss.backward()
-            optimizer.step()
-            return loss.item()
+            def step(idx: np.ndarray) -> float:
+                index = torch.from_numpy(idx)
+                return sgd_step(self.model, optimizer, xt[index], yt[index]).item()
 
-        try:
             return run_epochs(step, len(y), epochs=epochs, batch_size=batch_size, seed=seed)
-        finally:
-            self._batchnorm.flush()
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
         import torch
-        import torch.nn.functional as F
 
-        self.model.eval()
+        from fedper.training import evaluate
 
-        def forward(xb: np.ndarray, yb: np.ndarray) -> tuple[float, np.ndarray]:
-            with torch.no_grad():
-                logits = self.model(torch.from_numpy(xb))
-                return F.cross_entropy(logits, torch.from_numpy(yb)).item(), logits.numpy()
-
-        return evaluate_batches(forward, x, y)
+        return evaluate(self.model, torch.from_numpy(x), torch.from_numpy(y), chunk=EVAL_BATCH)

@@ -4,9 +4,9 @@ functional forward/backward per step (torch.func), data gathered from the reside
 It does the same work as train.train_client on every client, with the same batches: at each step
 the clients whose current batch has the same size form one vmapped group (usually all of them;
 clients with fewer samples drop out of the last steps of an epoch, and last batches are smaller).
-SGD (with optional momentum) is written out as torch.optim.SGD computes it. BatchNorm running
-statistics are stacked buffers too, updated in place per client inside vmap (ORT's way, as in
-train.train_client).
+SGD (with optional momentum) is written out as torch.optim.SGD computes it, on stacked tensors.
+Freezing and the BatchNorm rule are the kernel's (fedper.training); BatchNorm running statistics
+are stacked buffers too, updated in place per client inside vmap.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from fedper.algorithms import Phase
-from fedper.emulate.train import BatchKey, ort_batchnorm, phase_batches, prepare_phase
+from fedper.emulate.train import BatchKey, phase_batches
 from fedper.manifest import Manifest
+from fedper.training import freeze_for_phase, ort_batchnorm
 
 
 def train_clients_batched(
@@ -49,7 +50,7 @@ def train_clients_batched(
     batched_grad = vmap(grad(_loss, argnums=1), in_dims=(None, 0, 0, 0, 0))
     with ort_batchnorm(model, functional=True):
         for phase_index, phase in enumerate(phases):
-            names = prepare_phase(model, manifest, phase.trained)
+            names = freeze_for_phase(model, manifest, phase.trained)
             velocity = {n: torch.zeros_like(stacked[n]) for n in names} if momentum else {}
             for epoch in range(phase.epochs or local_epochs):
                 batches = [phase_batches(len(idx), batch_size, key, phase_index, epoch)

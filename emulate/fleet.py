@@ -31,17 +31,11 @@ from fedper.algorithms import ALGORITHMS, Algorithm, Phase, Trained, check_kp, g
 from fedper.emulate.batched import train_clients_batched
 from fedper.emulate.data import FleetData
 from fedper.emulate.distributed import as_float64, combine, gather
-from fedper.emulate.train import (
-    PURPOSE_FINETUNE,
-    PURPOSE_TRAIN,
-    client_generator,
-    evaluate,
-    load_tensors,
-    train_client,
-)
+from fedper.emulate.train import PURPOSE_FINETUNE, PURPOSE_TRAIN, client_generator, train_client
 from fedper.emulate.variants import build
 from fedper.manifest import Manifest
 from fedper.models import describe, exported_state
+from fedper.training import evaluate, load_tensors
 
 ENGINES = ("auto", "sequential", "vmap")
 Tensors = dict[str, torch.Tensor]

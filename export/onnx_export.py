@@ -1,4 +1,4 @@
-"""PyTorch -> ONNX -> onnxruntime-training artifact sets, following ../shared/ORT_NOTES.md.
+"""PyTorch -> ONNX -> onnxruntime-training artifact sets, following docs/onnxruntime-training.md.
 
 One training-mode export serves everything: the artifact sets are generated from it, and the
 inference model is the same graph with BatchNorm switched to eval mode. Its initializers are
@@ -20,13 +20,12 @@ import onnx
 import torch
 from onnx import numpy_helper
 
-from fedper.artifacts import INPUT_NAME, LOGITS_NAME, trained_names
+from fedper.artifacts import EVAL_MODEL, INPUT_NAME, LOGITS_NAME, MAX_IR_VERSION
 from fedper.export.graph import rewrite_fast
 from fedper.manifest import Manifest
 from fedper.models import BlockNet
 
 OPSET = 17
-MAX_IR_VERSION = 10  # onnxruntime 1.19 refuses newer models
 
 
 class ExportError(ValueError):
@@ -51,7 +50,8 @@ def torch_to_onnx(model: BlockNet, state: Mapping[str, torch.Tensor], manifest: 
         )
     proto = onnx.load_from_string(buffer.getvalue())
     if proto.ir_version > MAX_IR_VERSION:
-        raise ExportError(f"onnx {onnx.__version__} wrote IR version {proto.ir_version}; onnxruntime 1.19 needs <= 10")
+        raise ExportError(f"onnx {onnx.__version__} wrote IR version {proto.ir_version}; "
+                          f"onnxruntime 1.19 needs <= {MAX_IR_VERSION}")
     check_names(manifest, [init.name for init in proto.graph.initializer], "the torch export")
     for init in proto.graph.initializer:
         init.CopyFrom(numpy_helper.from_array(state[init.name].detach().cpu().numpy(), init.name))
@@ -89,7 +89,7 @@ def write_artifact_set(training_proto: onnx.ModelProto, manifest: Manifest, kind
     """ORT training artifacts that train the `kind` tensors ("all", "head", "base") and freeze the rest."""
     from onnxruntime.training import artifacts
 
-    trained = trained_names(manifest.tensors, kind)
+    trained = manifest.trained_names(kind)
     frozen = [name for name in manifest.names() if name not in set(trained)]
     folder.mkdir(parents=True)
     with _native_stderr_quiet():
@@ -98,7 +98,7 @@ def write_artifact_set(training_proto: onnx.ModelProto, manifest: Manifest, kind
             loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.SGD,
             artifact_directory=folder, additional_output_names=[LOGITS_NAME],
         )
-    eval_path = folder / "eval_model.onnx"
+    eval_path = folder / EVAL_MODEL
     eval_proto = onnx.load(eval_path)
     batchnorm_to_eval(eval_proto)
     onnx.save(eval_proto, eval_path)

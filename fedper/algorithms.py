@@ -7,10 +7,18 @@ codec only need `shared_role`. Nothing else in the toolkit branches on the algor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 Role = Literal["base", "head"]
 Trained = Literal["all", "base", "head"]
+TRAINED: tuple[Trained, ...] = get_args(Trained)
+
+
+def check_trained(trained: str) -> Trained:
+    """A phase trains "all", "base" or "head"; anything else is a caller's mistake, refused here."""
+    if trained not in TRAINED:
+        raise ValueError(f"a phase trains {', '.join(map(repr, TRAINED))}, not {trained!r}")
+    return trained  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -29,6 +37,12 @@ class Algorithm:
     fine_tune_head_at_eval: bool = False  # FedBABU: the head is fine-tuned on the device before it is evaluated
     requires_kp0: bool = False
     source: str = ""
+
+    @property
+    def trained_kinds(self) -> frozenset[Trained]:
+        """What its phases train, and the head that FedBABU fine-tunes before evaluation."""
+        kinds = {phase.trained for phase in self.phases}
+        return frozenset(kinds | {"head"} if self.fine_tune_head_at_eval else kinds)
 
 
 ALGORITHMS: dict[str, Algorithm] = {

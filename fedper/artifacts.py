@@ -1,23 +1,25 @@
-"""What an export directory holds: file names and the artifact sets an algorithm needs.
+"""What an export directory holds: file names, graph names, and the artifact sets an algorithm needs.
 
-Shared by the exporter and the verifier; imports neither torch nor onnxruntime.
+Shared by the exporter, the verifier and the agent's backends; imports neither torch nor onnxruntime.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from fedper.algorithms import get_algorithm
-from fedper.manifest import TensorSpec
 
 INFERENCE_FILE = "inference.onnx"
 BASE_FILE = "base.safetensors"
 ORT_CONFIG_FILE = "required_operators.config"  # the operator list for a reduced ORT mobile build (--ort-format)
-SET_FILES = ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint")
+TRAINING_MODEL = "training_model.onnx"
+EVAL_MODEL = "eval_model.onnx"
+OPTIMIZER_MODEL = "optimizer_model.onnx"
+CHECKPOINT_FILE = "checkpoint"  # the set's CheckpointState: every tensor, requires_grad baked in
+SET_FILES = (TRAINING_MODEL, EVAL_MODEL, OPTIMIZER_MODEL, CHECKPOINT_FILE)
 SET_ORDER = ("all", "head", "base")
 INPUT_NAME = "input"
 LABELS_NAME = "labels"
 LOGITS_NAME = "logits"
+MAX_IR_VERSION = 10  # onnxruntime 1.19 refuses models of a newer ONNX IR version
 
 
 def artifact_sets_for(algorithm: str, kp: int) -> dict[str, str]:
@@ -25,10 +27,7 @@ def artifact_sets_for(algorithm: str, kp: int) -> dict[str, str]:
 
     FedBABU also fine-tunes the head before evaluation, so it needs a head-only set too.
     """
-    algo = get_algorithm(algorithm)
-    trained = {phase.trained for phase in algo.phases}
-    if algo.fine_tune_head_at_eval:
-        trained.add("head")
+    trained = set(get_algorithm(algorithm).trained_kinds)
     if kp == 0:
         trained &= {"all"}
     return {kind: f"train/{kind}" for kind in SET_ORDER if kind in trained}
@@ -44,7 +43,3 @@ def expected_files(artifact_sets: dict[str, str], *, ort_format: bool) -> list[s
     ort = [name.removesuffix(".onnx") + ".ort" for name in onnx_files] + [ORT_CONFIG_FILE] if ort_format else []
     return sorted(onnx_files + other + ort)
 
-
-def trained_names(tensors: Iterable[TensorSpec], kind: str) -> list[str]:
-    """Parameters a set of `kind` ("all", "head", "base") trains; everything else in it is frozen."""
-    return [t.name for t in tensors if t.trainable and kind in ("all", t.role)]

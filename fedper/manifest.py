@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedper.algorithms import get_algorithm
+from fedper.algorithms import Trained, check_trained, get_algorithm
 
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
@@ -64,6 +64,12 @@ class Manifest:
             for t in self.tensors
             if (role is None or t.role == role) and (shared is None or t.shared == shared)
         ]
+
+    def trained_names(self, trained: Trained) -> list[str]:
+        """The trainable tensors a phase training `trained` updates by gradient; every other tensor
+        is frozen (BatchNorm statistics are never trained, they follow the data)."""
+        check_trained(trained)
+        return [t.name for t in self.tensors if t.trainable and trained in ("all", t.role)]
 
     def spec(self, name: str) -> TensorSpec:
         for t in self.tensors:

@@ -16,19 +16,20 @@ from onnx import numpy_helper
 from fedper.algorithms import get_algorithm
 from fedper.artifacts import (
     BASE_FILE,
+    EVAL_MODEL,
     INFERENCE_FILE,
     INPUT_NAME,
     LABELS_NAME,
     LOGITS_NAME,
+    MAX_IR_VERSION,
     ORT_CONFIG_FILE,
+    TRAINING_MODEL,
     artifact_sets_for,
     expected_files,
-    trained_names,
 )
 from fedper.manifest import MANIFEST_FILE, Manifest, is_shared, sha256_file
-from fedper.tensors import TensorError, unpack_shared
+from fedper.payload import PayloadError, decode_shared
 
-MAX_IR_VERSION = 10  # onnxruntime 1.19 refuses newer models
 GRAD_BUFFER_SUFFIX = "_grad.accumulation.buffer"  # generate_artifacts' gradient inputs, one per trained parameter
 RESET_GRAD_INPUT = "lazy_reset_grad"
 
@@ -49,11 +50,11 @@ def verify(directory: str | Path, *, expected_digest: str | None = None) -> list
         return problems  # the ONNX checks below read files that must first be known intact
     initial = _check_inference(directory / INFERENCE_FILE, manifest, problems)
     for kind, folder in manifest.artifact_sets.items():
-        for graph in ("training_model.onnx", "eval_model.onnx"):
+        for graph in (TRAINING_MODEL, EVAL_MODEL):
             _check_training_graph(directory / folder / graph, manifest, kind, problems)
     try:
-        shared = unpack_shared(manifest, (directory / BASE_FILE).read_bytes())
-    except TensorError as e:
+        shared = decode_shared(manifest, (directory / BASE_FILE).read_bytes())
+    except PayloadError as e:
         problems.append(f"{BASE_FILE}: {e}")
     else:
         changed = [name for name, value in shared.items() if not np.array_equal(value, initial.get(name))]
@@ -173,12 +174,12 @@ def _check_training_graph(path: Path, manifest: Manifest, kind: str, problems: l
               and not v.name.endswith(GRAD_BUFFER_SUFFIX)]
     _compare(_graph_tensors(inputs), manifest, where, problems)
     _check_io(proto, [INPUT_NAME, LABELS_NAME], manifest, where, problems)
-    if path.name == "training_model.onnx":
+    if path.name == TRAINING_MODEL:
         trained = sorted(v.name.removesuffix(GRAD_BUFFER_SUFFIX) for v in proto.graph.input
                          if v.name.endswith(GRAD_BUFFER_SUFFIX))
-        if trained != sorted(trained_names(manifest.tensors, kind)):
-            problems.append(f"{where}: trains {len(trained)} tensors, a '{kind}' set must train "
-                            f"{len(trained_names(manifest.tensors, kind))}")
+        expected = sorted(manifest.trained_names(kind))
+        if trained != expected:
+            problems.append(f"{where}: trains {len(trained)} tensors, a '{kind}' set must train {len(expected)}")
 
 
 def _check_io(proto: onnx.ModelProto, inputs: list[str], manifest: Manifest, where: str, problems: list[str]) -> None:

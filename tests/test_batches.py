@@ -1,4 +1,5 @@
-"""The kernel's batch order (fedper.batches): what agents and both emulator engines train on."""
+"""The kernel's batch order (fedper.batches) and training rules (fedper.training): what agents and
+both emulator engines train on, and how."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedper.batches import DeferredOrtRunningVar, client_seed, epoch_batches, ort_running_var
+from fedper.batches import client_seed, epoch_batches
+from fedper.models import build_model, describe
+from fedper.training import DeferredOrtRunningVar, ort_batchnorm, ort_running_var, phase_optimizer, sgd_step
 
 
 @pytest.mark.parametrize("n,batch_size", [(1, 4), (2, 4), (9, 4), (10, 4), (12, 4), (33, 32), (64, 32), (5, 1)])
@@ -73,3 +76,23 @@ def test_deferred_ort_running_var_lands_where_ort_running_var_does_across_traini
     hook.flush()
     assert torch.allclose(exact[1].running_var, deferred[1].running_var, rtol=1e-6, atol=1e-7)
     assert torch.equal(exact[1].running_mean, deferred[1].running_mean)
+
+
+def test_a_head_phase_trains_the_head_alone_while_frozen_batchnorm_follows_the_data() -> None:
+    """What the ORT 'head' set does: base weights stay put, base BatchNorm statistics still move."""
+    torch.manual_seed(0)
+    model = build_model("mobilenet_v1", 4, 0.25, 16)
+    manifest = describe(model, architecture="mobilenet_v1", kp=2, algorithm="fedper", input_size=16, width=0.25)
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    optimizer = phase_optimizer(model, manifest, "head", lr=0.1)
+    with ort_batchnorm(model):
+        sgd_step(model, optimizer, torch.randn(8, 3, 16, 16), torch.randint(0, 4, (8,)))
+    after = model.state_dict()
+    changed = {n for n in manifest.names() if not torch.equal(before[n], after[n])}
+    trained = set(manifest.trained_names("head"))
+    assert trained and trained <= changed
+    assert not changed & {t.name for t in manifest.tensors if t.trainable and t.name not in trained}
+    assert any(t.role == "base" and not t.trainable and t.name in changed for t in manifest.tensors)
+    assert set(manifest.trained_names("all")) == {t.name for t in manifest.tensors if t.trainable}
+    with pytest.raises(ValueError, match="not 'body'"):
+        manifest.trained_names("body")

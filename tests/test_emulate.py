@@ -15,8 +15,9 @@ from fedper.emulate.cli import app
 from fedper.emulate.data import DataConfig, FleetData
 from fedper.emulate.experiment import RunConfig, run_experiment
 from fedper.emulate.fleet import Fleet, FleetConfig
-from fedper.emulate.train import PURPOSE_TRAIN, client_generator, load_tensors, train_client
+from fedper.emulate.train import PURPOSE_TRAIN, client_generator, train_client
 from fedper.models import build_model
+from fedper.training import load_tensors
 
 TINY = {"width": 0.25, "local_epochs": 1, "batch_size": 8, "lr": 0.05}
 
