@@ -59,7 +59,7 @@ def gather(results: dict[int, tuple[float, float]]) -> list[tuple[float, float]]
 
 
 def gather_local(local: list[dict[str, torch.Tensor]], members: list[int]) -> list[dict[str, torch.Tensor]]:
-    """Every client's local tensors (on the CPU), each from the rank that trains it: what state.pt holds."""
+    """Every client's local tensors (on the CPU), each from the rank that trains it: what a saved state holds."""
     mine = {j: {n: t.cpu() for n, t in local[j].items()} for j in members}
     if active():
         parts: list[dict[int, dict[str, torch.Tensor]]] = [{} for _ in range(dist.get_world_size())]
