@@ -41,10 +41,10 @@ def run(
     max_uploads_per_device: int = typer.Option(
         2, min=1, help="Partial uploads a device may have in flight; its newer one displaces its oldest."),
     max_upload_bytes_per_device: int = typer.Option(
-        None, min=1, help="Bytes a device's partial uploads may hold [default: two updates of the model]."),
+        None, min=1, help="Bytes a device's partial uploads may hold (default: two updates of the model)."),
     max_reassembly_bytes: int = typer.Option(
         None, min=1, help="Bytes all partial uploads may hold; a newcomer beyond is refused (over_quota) "
-                          "[default: 1 GiB, or 4 devices' quotas if more]."),
+                          "(default: 1 GiB, or 4 devices' quotas if more)."),
     max_messages_per_second: float = typer.Option(
         1000.0, min=0.001, help="Messages per device per second (bursts: 2 s' worth, or two updates' chunks); "
                                 "more are dropped unread and counted (rate_limited)."),
