@@ -137,6 +137,7 @@ class Session:
 
     def _on_connect(self, client: mqtt.Client, userdata: object, flags: object, reason: object, props: object) -> None:
         if getattr(reason, "is_failure", False):
+            self._closing = True  # `receive` raises BrokerRefused: paho's disconnect that follows is no news
             self._inbox.put(_Refused(str(reason)))
             return
         client.subscribe(self._subscriptions)
