@@ -68,10 +68,10 @@ def emulator(fleet: Fleet, rounds: int) -> float:
 
 
 def run(out: Path, quick: bool = False) -> str:
-    clients, rounds, repeats = (3, 1, 1) if quick else (5, 3, 3)
-    local_epochs, batch_size, width, input_size = 1, 32, 0.25, 32
+    clients, rounds, repeats, input_size, scale = (5, 1, 1, 16, 0.2) if quick else (5, 3, 3, 32, 1.0)
+    local_epochs, batch_size, width = 1, 32, 0.25
     device = resolve_device("auto")
-    data = load_fleet_data(DataConfig(clients=clients, input_size=input_size), device)
+    data = load_fleet_data(DataConfig(clients=clients, input_size=input_size, scale=scale), device)
     samples = sum(data.n_train) * local_epochs * rounds
     config = FleetConfig(width=width, kp=2, local_epochs=local_epochs, batch_size=batch_size, lr=0.01)
     engines = ["sequential", "vmap"]
@@ -86,7 +86,7 @@ def run(out: Path, quick: bool = False) -> str:
     baseline = samples / best["plain PyTorch loop"]
     rows = [{"name": n, "seconds": s, "samples_per_s": samples / s, "ratio_vs_plain": samples / s / baseline}
             for n, s in best.items()]
-    setup = (f"{samples} training samples ({clients} clients, {rounds} rounds, MobileNet-v1 x{width}, "
+    setup = (f"{samples} training samples ({clients} clients, rounds: {rounds}, MobileNet-v1 x{width}, "
              f"{input_size}px, B={batch_size}) on {device}, best of {repeats} alternating repeats")
     write_json(out, "emulator", {"setup": setup, "device": str(device), "threads": torch.get_num_threads(),
                                  "torch": torch.__version__, "training_samples": samples, "rows": rows})
@@ -95,4 +95,4 @@ def run(out: Path, quick: bool = False) -> str:
 
 
 if __name__ == "__main__":
-    main(run, __doc__, quick="3 clients, one round, one repeat")
+    main(run, __doc__, quick="a fifth of the samples at 16x16, one round, one repeat")
