@@ -1,13 +1,15 @@
 """A run on disk: DIR/config.json, DIR/metrics.jsonl (one line per round), DIR/summary.json and
-DIR/state.pt (rewritten atomically after every round), so a killed run resumes from its last round
-and ends exactly where an uninterrupted one would.
+DIR/state.safetensors (a fedper.checkpoint, rewritten atomically after every round), so a killed
+run resumes from its last round and ends exactly where an uninterrupted one would. A run saved
+before the checkpoint format (DIR/state.pt, written by torch.save) is converted once on --resume.
 
 Under torch.distributed (torchrun, or `run_spawned`) each rank trains its share of the clients;
-rank 0 alone reads and writes the directory, and state.pt holds every client's local tensors."""
+rank 0 alone reads and writes the directory, and the state holds every client's local tensors."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import statistics
 import tempfile
@@ -16,12 +18,16 @@ from pathlib import Path
 
 import torch
 
+from fedper import checkpoint
 from fedper.algorithms import Algorithm
 from fedper.emulate import distributed
 from fedper.emulate.data import DataConfig, load_fleet_data
 from fedper.emulate.fleet import Fleet, FleetConfig, FleetState, load_state, resolve_device, save_state
 
-CONFIG, METRICS, SUMMARY, STATE = "config.json", "metrics.jsonl", "summary.json", "state.pt"
+CONFIG, METRICS, SUMMARY, STATE = "config.json", "metrics.jsonl", "summary.json", "state.safetensors"
+LEGACY_STATE = "state.pt"  # torch.save's pickle, before the checkpoint format: read once, on --resume
+
+log = logging.getLogger("fedper.emulate")
 
 
 class RunError(ValueError):
@@ -74,7 +80,7 @@ def run_experiment(
     writer = distributed.rank() == 0
     if writer:
         out.mkdir(parents=True, exist_ok=True)
-        (out / CONFIG).write_text(config.to_json())
+        checkpoint.atomic_write(out / CONFIG, config.to_json().encode())
         with (out / METRICS).open("w") as f:
             f.writelines(json.dumps(m) + "\n" for m in history)
     with _progress(show_progress and writer) as progress:
@@ -91,7 +97,7 @@ def run_experiment(
             progress.update(task, advance=1, acc=metrics["mean_accuracy"])
     summary = _summary(config, fleet, history)
     if writer:
-        (out / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
+        checkpoint.write_json(out / SUMMARY, summary, indent=2)
     return summary
 
 
@@ -100,14 +106,30 @@ def _prepare(config: RunConfig, out: Path, resume: bool) -> tuple[RunConfig, Fle
     saved rounds (a line written after the last saved state is dropped)."""
     state_path = out / STATE
     if resume:
-        if not state_path.exists():
+        if not holds_run(out):
             raise RunError(f"nothing to resume: {state_path} does not exist")
         saved = RunConfig.from_json((out / CONFIG).read_text())
         config = RunConfig(saved.data, saved.fleet, config.rounds, saved.device)
-    elif state_path.exists():
+        if not state_path.exists():
+            _migrate(out)
+    elif holds_run(out):
         raise RunError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
     state = load_state(state_path) if resume else None
     return config, state, _read_metrics(out / METRICS, state.round if state else 0)
+
+
+def holds_run(out: Path) -> bool:
+    """Whether `out` holds a saved state (in either format) that --resume continues."""
+    return (out / STATE).exists() or (out / LEGACY_STATE).exists()
+
+
+def _migrate(out: Path) -> None:
+    """DIR/state.pt (torch.save of round, seed, shared and local) rewritten as DIR/state.safetensors,
+    then removed: read once, with torch.load's weights_only (no arbitrary pickle)."""
+    body = torch.load(out / LEGACY_STATE, map_location="cpu", weights_only=True)
+    save_state(FleetState(body["round"], body["shared"], body["local"], body["seed"]), out / STATE)
+    (out / LEGACY_STATE).unlink()
+    log.warning("%s: converted to %s (round %d)", out / LEGACY_STATE, STATE, body["round"])
 
 
 def _to_device(state: FleetState, device: torch.device) -> FleetState:

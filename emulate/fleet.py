@@ -17,7 +17,6 @@ BatchNorm buffers are tensors like any other: shared ones averaged, local ones k
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Iterator, Sequence
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from fedper import checkpoint
 from fedper.aggregation import WeightedMean
 from fedper.algorithms import ALGORITHMS, Algorithm, Phase, Trained, check_kp, get_algorithm
 from fedper.emulate.batched import train_clients_batched
@@ -173,15 +173,22 @@ class Fleet:
 
 
 def save_state(state: FleetState, path: str | Path) -> None:
-    """Atomically (temporary file + os.replace), so a kill mid-write leaves the previous state."""
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    cpu = {n: t.cpu() for n, t in state.shared.items()}
-    torch.save({"round": state.round, "seed": state.seed, "shared": cpu,
-                "local": [{n: t.cpu() for n, t in own.items()} for own in state.local]}, tmp)
-    os.replace(tmp, path)
+    """One checkpoint (fedper.checkpoint: atomic, safetensors + JSON): the shared tensors as
+    "shared/NAME", client j's local ones as "local/j/NAME", the names in order in the metadata."""
+    tensors = {f"shared/{n}": t for n, t in state.shared.items()}
+    for j, own in enumerate(state.local):
+        tensors |= {f"local/{j}/{n}": t for n, t in own.items()}
+    meta = {"round": state.round, "seed": state.seed, "shared": list(state.shared),
+            "local": [list(own) for own in state.local]}
+    checkpoint.write_checkpoint(Path(path), {k: t.detach().cpu().numpy() for k, t in tensors.items()}, meta)
 
 
 def load_state(path: str | Path, device: torch.device | str = "cpu") -> FleetState:
-    body = torch.load(path, map_location=device, weights_only=True)
-    return FleetState(round=body["round"], shared=body["shared"], local=body["local"], seed=body["seed"])
+    arrays, meta = checkpoint.read_checkpoint(Path(path))
+
+    def tensor(key: str) -> torch.Tensor:
+        return torch.from_numpy(arrays[key]).to(device)
+
+    return FleetState(round=meta["round"], shared={n: tensor(f"shared/{n}") for n in meta["shared"]},
+                      local=[{n: tensor(f"local/{j}/{n}") for n in names} for j, names in enumerate(meta["local"])],
+                      seed=meta["seed"])

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 from fedper.algorithms import ALGORITHMS
 from fedper.emulate.cli import app
 from fedper.emulate.data import DataConfig, FleetData
-from fedper.emulate.experiment import RunConfig, run_experiment
-from fedper.emulate.fleet import Fleet, FleetConfig
+from fedper.emulate.experiment import STATE, RunConfig, run_experiment
+from fedper.emulate.fleet import Fleet, FleetConfig, load_state
 from fedper.emulate.train import PURPOSE_TRAIN, client_generator, train_client
 from fedper.models import build_model
 from fedper.training import load_tensors
@@ -180,9 +180,10 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path):
     wanted = [json.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
     assert [m["round"] for m in lines] == [1, 2, 3]
     assert [(m["accuracy"], m["loss"]) for m in lines] == [(m["accuracy"], m["loss"]) for m in wanted]
-    a = torch.load(tmp_path / "whole" / "state.pt", weights_only=True)
-    b = torch.load(tmp_path / "split" / "state.pt", weights_only=True)
-    assert all(torch.equal(a["shared"][n], b["shared"][n]) for n in a["shared"])
+    a, b = load_state(tmp_path / "whole" / STATE), load_state(tmp_path / "split" / STATE)
+    assert a.round == b.round == 3 and list(a.shared) == list(b.shared)
+    assert all(torch.equal(a.shared[n], b.shared[n]) for n in a.shared)
+    assert all(torch.equal(x[n], y[n]) for x, y in zip(a.local, b.local, strict=True) for n in x)
     assert whole["rounds"] == 3
 
 

@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 
 from fedper.emulate.cli import app
 from fedper.emulate.distributed import init_process_group, share
-from fedper.emulate.fleet import Fleet, FleetConfig
+from fedper.emulate.experiment import STATE
+from fedper.emulate.fleet import Fleet, FleetConfig, FleetState, load_state
 
 SIZES = [16, 9, 24]  # unequal n_j, and an odd number of clients over 2 ranks
 
@@ -68,9 +69,9 @@ def cli(*args: str) -> None:
     assert result.exit_code == 0, result.output
 
 
-def saved(out) -> tuple[list[dict], dict]:
+def saved(out) -> tuple[list[dict], FleetState]:
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return metrics, torch.load(out / "state.pt", weights_only=True)
+    return metrics, load_state(out / STATE)
 
 
 def test_cli_world_size_2_then_torchrun_resume_match_one_process(tmp_path, monkeypatch):
@@ -86,7 +87,7 @@ def test_cli_world_size_2_then_torchrun_resume_match_one_process(tmp_path, monke
         torch.set_num_threads(threads)
     cli("--rounds", "4", "--world-size", "2", "--out", str(tmp_path / "two"))
     (one_metrics, one), (two_metrics, two) = saved(tmp_path / "one"), saved(tmp_path / "two")
-    assert two["round"] == 1 and len(two_metrics) == 1
+    assert two.round == 1 and len(two_metrics) == 1
     assert two_metrics[0]["accuracy"] == one_metrics[0]["accuracy"]
 
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -95,15 +96,15 @@ def test_cli_world_size_2_then_torchrun_resume_match_one_process(tmp_path, monke
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("mean accuracy") == 1  # rank 0 alone reports
     two_metrics, two = saved(tmp_path / "two")
-    assert two["round"] == one["round"] == 2
+    assert two.round == one.round == 2
     assert [m["accuracy"] for m in two_metrics] == [m["accuracy"] for m in one_metrics]
     assert one_metrics[1]["accuracy"] != one_metrics[0]["accuracy"]  # round 2 did learn something new
     for a, b in zip(two_metrics, one_metrics, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
-    for name, value in one["shared"].items():
-        assert torch.allclose(two["shared"][name], value, rtol=1e-5, atol=1e-6), name
-    assert len(two["local"]) == 3  # every rank's clients, gathered to rank 0
-    for j, own in enumerate(one["local"]):
+    for name, value in one.shared.items():
+        assert torch.allclose(two.shared[name], value, rtol=1e-5, atol=1e-6), name
+    assert len(two.local) == 3  # every rank's clients, gathered to rank 0
+    for j, own in enumerate(one.local):
         for name, value in own.items():
-            assert torch.allclose(two["local"][j][name], value, rtol=1e-5, atol=1e-6), (j, name)
+            assert torch.allclose(two.local[j][name], value, rtol=1e-5, atol=1e-6), (j, name)
     assert json.loads((tmp_path / "two" / "summary.json").read_text())["rounds"] == 2
