@@ -32,7 +32,7 @@ from fedper.aggregation import CoordinateMedian, TrimmedMean, WeightedMean
 from fedper.coordinator.engine import DEFAULT_MAX_SAMPLES_PER_DEVICE, Config, Coordinator, Outgoing
 from fedper.coordinator.store import Store
 from fedper.manifest import Manifest
-from fedper.wire import ERROR_CODES
+from fedper.wire import ERROR_CODES, MAX_JSON_INT, ErrorMessage, Register, RoundInfo, Topics, UpdateMeta, WireError
 
 MANIFEST = tiny_manifest()
 FLEET = "lab"
@@ -109,15 +109,9 @@ def shifted(delta: float) -> dict[str, np.ndarray]:
 def make(state: Path, manifest: Manifest = MANIFEST, initial: dict[str, np.ndarray] | None = None,
          **config: Any) -> Coordinator:
     settings_ = {"rounds": 2, "min_clients": 1, "round_timeout": 1e6, "chunk_size": 4096, **config}
-    c = Coordinator(manifest, initial or tiny_tensors(), _topics(), Config(**settings_), Store(state))
+    c = Coordinator(manifest, initial or tiny_tensors(), Topics(FLEET), Config(**settings_), Store(state))
     c.start(0.0)
     return c
-
-
-def _topics():  # type: ignore[no-untyped-def]
-    from fedper.wire import Topics
-
-    return Topics(FLEET)
 
 
 def send(c: Coordinator, kind: str, device: str, payloads: list[bytes], now: float = 1.0) -> list[Outgoing]:
@@ -152,6 +146,35 @@ def assert_mean(model: dict[str, np.ndarray], weighted: list[tuple[dict[str, np.
     for name in model:
         expected = sum(t[name].astype(np.float64) * n for t, n in weighted) / total
         np.testing.assert_allclose(model[name], expected, rtol=1e-6, err_msg=name)
+
+
+# ---------------------------------------------------------------- messages: every field checked
+
+
+def test_messages_convert_to_and_from_dicts_and_every_field_is_bounded() -> None:
+    """from_dict(to_dict(m)) is m, with no JSON in between; encode is {"v": 1} plus to_dict. Each field
+    out of its bound (docs/protocol.md, section 4) is bad_message, whatever message it is in."""
+    messages = [Register(10, "sha256:x", "s/1"), RoundInfo(1, 2, "open", 1.5, "r1", 10, "a" * 64, 1, "sha256:x"),
+                UpdateMeta(1, 10, "sha256:x", {"accuracy": 0.5}, "fp16"), ErrorMessage("bad_message", "m", None)]
+    for m in messages:
+        assert type(m).from_dict(m.to_dict()) == m
+        assert json.loads(m.encode()) == {"v": 1, **m.to_dict()}
+    out_of_bounds = [
+        (Register, {"n_samples": 0}), (Register, {"n_samples": MAX_JSON_INT + 1}), (Register, {"n_samples": 10**400}),
+        (Register, {"n_samples": 1.0}), (Register, {"software": "x" * 257}), (Register, {"base_digest": None}),
+        (RoundInfo, {"state": "closed"}), (RoundInfo, {"sha256": "A" * 64}), (RoundInfo, {"blob_id": "a/b"}),
+        (RoundInfo, {"blob_id": "r1\n"}), (RoundInfo, {"deadline": 10**400}), (RoundInfo, {"deadline": math.inf}),
+        (RoundInfo, {"round": 0}), (RoundInfo, {"size": -1}), (UpdateMeta, {"round": -1}),
+        (UpdateMeta, {"metrics": {"a\n": 1}}), (UpdateMeta, {"metrics": {"loss": math.nan}}),
+        (UpdateMeta, {"metrics": {"loss": True}}), (UpdateMeta, {"codec": ["fp16"]}),
+        (ErrorMessage, {"round": 2**63}), (ErrorMessage, {"message": "x" * 4097}),
+    ]
+    for cls, change in out_of_bounds:
+        fields_ = next(m for m in messages if type(m) is cls).to_dict()
+        with pytest.raises(WireError) as refused:
+            cls.from_dict({**fields_, **change})
+        assert refused.value.code == "bad_message", (cls, change)
+    assert ErrorMessage.from_dict({"code": "c", "message": "x" * 4096}).round is None  # optional, and the bound holds
 
 
 # ---------------------------------------------------------------- all or nothing
