@@ -394,8 +394,7 @@ def test_each_defence_bounds_a_poisoning_device(tmp_path: Path) -> None:
             c = make(tmp_path / f"{attacker_n}-{defence}", manifest, base, rounds=1, min_clients=5, **config)
             devices = [(f"h{i}", h, 100) for i, h in enumerate(honest)] + [("evil", poison, attacker_n)]
             for device, tensors, n in devices:
-                body = to_json({"v": 1, "n_samples": n, "base_digest": digest, "software": "hand/1"}).encode()
-                assert answers(send(c, "register", device, [body]), device) == []
+                assert answers(send(c, "register", device, [registration(n, digest)]), device) == []
                 m = {"round": 1, "n_samples": n, "base_digest": digest}
                 assert answers(send(c, "update", device, chunks(safetensors(tensors), m, "u", 4096)), device) == []
             c.tick(2.0)
