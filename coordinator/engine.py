@@ -261,8 +261,10 @@ class Coordinator:
         return []
 
     def _on_presence(self, device: str, payload: bytes) -> None:
-        status = bytes(payload).decode("utf-8", "replace")
-        (self.online.add if status == "online" else self.online.discard)(device)
+        status = bytes(payload)
+        if status not in (b"online", b"offline", b""):  # b"": the retained presence cleared
+            raise WireError("bad_message", f"presence must be online or offline, got {len(status)} other bytes")
+        (self.online.add if status == b"online" else self.online.discard)(device)
         self._state_dirty = True
 
     def _on_update(self, device: str, payload: bytes, now: float) -> list[Outgoing]:

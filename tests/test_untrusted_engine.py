@@ -435,10 +435,13 @@ EVIL_N = 10
 @st.composite
 def hostile(draw: st.DrawFn, blob_id: str) -> tuple[str, str, bytes, Any, bool]:
     """(kind, device, payload, blob_id, may_wait): a registration or an update chunk with some fields
-    replaced by any JSON, a safetensors header of any JSON type, or raw bytes. may_wait: a well-formed
-    chunk of a blob of several chunks, which waits for the rest unanswered."""
+    replaced by any JSON, a safetensors header of any JSON type, raw bytes, or a presence. may_wait: a
+    well-formed chunk of a blob of several chunks, which waits for the rest unanswered."""
     device = draw(st.sampled_from(["evil", "ghost"]))
-    what = draw(st.sampled_from(["register", "update", "update", "update", "bytes"]))
+    what = draw(st.sampled_from(["register", "update", "update", "update", "bytes", "presence"]))
+    if what == "presence":
+        status = draw(st.sampled_from([b"online", b"offline", b""]) | st.binary(max_size=16))
+        return "presence", device, status, None, False
     if what == "bytes":
         return draw(st.sampled_from(["register", "update"])), device, draw(st.binary(max_size=64)), None, False
     if what == "register":
@@ -479,6 +482,8 @@ def test_hostile_frames_never_raise_are_answered_and_leave_the_honest_update_exa
                     refused.add((device, blob_id))
                 elif kind == "register":
                     assert payload == b"" or device in c.registered, payload  # accepted (or the device left)
+                elif kind == "presence":
+                    assert payload in (b"online", b"offline", b""), payload
                 else:
                     assert device in c.round.folded or may_wait or (device, blob_id) in refused, payload[:300]
             assert c.counters["internal_error"] == 0
