@@ -321,12 +321,14 @@ class Agent:
         """The model RoundInfo names, decoded once and checked; None while it is not here (or refused)."""
         if self._model is not None and (self._model.blob_id, self._model.sha256) == (info.blob_id, info.sha256):
             return self._model.tensors
-        blob = self._blobs.pop(info.blob_id, None)
+        blob = self._blobs.get(info.blob_id)
         if blob is None:
             return None
-        if hashlib.sha256(blob).hexdigest() != info.sha256:
+        if hashlib.sha256(blob).hexdigest() != info.sha256:  # kept: the RoundInfo may be the forged one
             self.log(f"model {info.blob_id} does not match the round's sha256: waiting for the right one")
             return None
+        del self._blobs[info.blob_id]
+        self._model = None  # the last round's model is done with: never hold two decoded models
         try:
             tensors = decode_tensors(self.manifest, blob, codec="fp32")  # a round's model is always fp32
         except Exception as e:  # an untrusted blob: whatever fails in decoding it is a refusal, not a crash

@@ -360,3 +360,19 @@ def test_forged_or_corrupt_input_is_refused_in_one_line_and_the_right_round_stil
 
     _, meta, _ = sent_update(device.open_round(2, models(2)))  # the coordinator's real round 2
     assert meta["round"] == 2 and agent.state.load(agent.manifest).round == 2
+
+
+def test_a_forged_round_info_does_not_cost_the_device_the_right_model(make_device, models) -> None:
+    """The round's model is here before its RoundInfo; a RoundInfo naming it with another sha256
+    comes first: refused, and the model is kept for the right RoundInfo (retained chunks are not sent twice)."""
+    device = make_device()
+    agent = device.agent
+    sent_update(device.open_round(1, models(1)))
+    right = st_save(models(2))
+    assert device.feed(chunk_frames(right, "r2", 2)) == []
+    logged = len(device.logs)
+    forged = round_info(right, 2, agent.manifest.base_digest, sha256="ab" * 32)
+    assert device.feed([forged]) == []
+    assert len(device.logs) == logged + 1 and "does not match the round's sha256" in device.logs[-1]
+    _, meta, _ = sent_update(device.feed([round_info(right, 2, agent.manifest.base_digest)]))
+    assert meta["round"] == 2
