@@ -38,12 +38,12 @@ def inference_weights(artifacts: Path, manifest: Manifest) -> dict[str, np.ndarr
 
 class TorchBackend:
     def __init__(self, artifacts: Path, manifest: Manifest) -> None:
-        from fedper.models import build_model  # the documented exception: see the module docstring
+        from fedper.models import build_model, exported_state  # the documented exception: see the module docstring
 
         m = manifest.model
         self.manifest = manifest
         self.model = build_model(m.architecture, m.num_classes, m.width, m.input_shape[1])
-        self._tensors = {k: v for k, v in self.model.state_dict().items() if not k.endswith("num_batches_tracked")}
+        self._tensors = exported_state(self.model)
         unknown = sorted(set(self._tensors) ^ set(manifest.names()))
         if unknown:
             raise ManifestError(f"the model built from the manifest does not match its tensors: {unknown[:3]}")

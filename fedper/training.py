@@ -2,7 +2,7 @@
 
 - `freeze_for_phase`: a phase trains the manifest's `trained_names(kind)` and freezes the rest by
   requires_grad, while every layer stays in train mode, frozen or not, as the exported ORT graphs
-  do on the devices (docs/onnxruntime-training.md, freezing): frozen weights stay put while BatchNorm
+  do on the devices (docs/onnxruntime-training.md, BatchNorm): frozen weights stay put while BatchNorm
   running statistics of frozen layers still follow the local data.
 - `ort_batchnorm`: onnxruntime-training updates BatchNorm's running_var with the biased batch
   variance, PyTorch with the unbiased one; while the context is open, every BatchNorm layer does
