@@ -144,6 +144,8 @@ class Coordinator:
         self._published_blob: tuple[str, int] | None = None  # retained chunks to clear when the model changes
         self._state_dirty = True
         self._last_state = -1e18
+        self._registry_dirty = False  # a registration changed since the last checkpoint
+        self._last_registry_commit = -1e18
         self._files = _Files()
         saved = store.load_state()
         if saved is not None:
@@ -216,7 +218,8 @@ class Coordinator:
             return self._reject(device, "internal_error", f"{type(e).__name__}: {e}", error=e)
 
     def tick(self, now: float) -> list[Outgoing]:
-        """Close the round when it is complete or its deadline has passed with a quorum."""
+        """Close the round when it is complete or its deadline has passed with a quorum; checkpoint changed
+        registrations (at most once per state_interval) and publish the state when it changed."""
         out: list[Outgoing] = []
         if not self.finished:
             done = len(self.round.folded)
@@ -231,6 +234,9 @@ class Coordinator:
                             self.config.min_clients, self.config.round_timeout, self.round.extensions)
                 out.append(self._round_message())
                 self._state_dirty = True
+        if self._registry_dirty and now - self._last_registry_commit >= self.config.state_interval:
+            self._last_registry_commit = now  # registrations are checkpointed at this pace, however often they
+            self._commit()  # change: a device re-registering in a loop must not buy an fsync per message
         if self._state_dirty and now - self._last_state >= self.config.state_interval:
             out.append(self.state_message(now))
         return out
@@ -244,7 +250,7 @@ class Coordinator:
         if not payload:  # the device cleared its retained registration: it left the fleet
             if self.registered.pop(device, None) is not None:
                 log.info("unregistered %s", device)
-                self._commit()
+                self._registry_dirty = self._state_dirty = True
             return []
         msg = Register.decode(payload)  # every field checked: n_samples an integer in 1..2**53-1
         if msg.base_digest != self.digest:
@@ -257,7 +263,7 @@ class Coordinator:
         if self.registered.get(device) != entry:
             log.info("registered %s: %d samples, software %s", device, msg.n_samples, msg.software)
             self.registered[device] = entry
-            self._commit()
+            self._registry_dirty = self._state_dirty = True
         return []
 
     def _on_presence(self, device: str, payload: bytes) -> None:
@@ -428,6 +434,7 @@ class Coordinator:
         }
 
     def _commit(self) -> None:
+        self._registry_dirty = False
         r = self.round
         self.store.commit({
             "round": {"number": r.number, "folded": {d: asdict(f) for d, f in r.folded.items()},

@@ -271,6 +271,30 @@ def test_a_registration_change_applies_to_later_updates_only(tmp_path: Path) -> 
     assert update(c, "a", shifted(1.0), 10, "r2", round_=2) == ["n_samples_mismatch"]
 
 
+def test_a_device_re_registering_in_a_loop_costs_no_checkpoint_per_message(tmp_path: Path) -> None:
+    """Registrations change at the device's will; each change was an fsynced state.json. Driven as the
+    service drives it (handle, then tick) at 2,000 changes a second for a second, the engine writes
+    state.json at most once per state_interval (0.5 s), the last registration is the one checkpointed,
+    and an honest device's update in between is folded at once."""
+    c = make(tmp_path)
+    send(c, "register", "honest", [registration(30)])
+    c.tick(0.5)
+    state = tmp_path / "state.json"
+    writes, inode = 0, state.stat().st_ino
+    for i in range(2000):
+        now = 1.0 + i / 2000
+        send(c, "register", "flipper", [registration(10 + i % 2)], now)
+        if i == 1000:
+            assert answers(send(c, "update", "honest", chunks(safetensors(shifted(1.0)), meta(30)), now),
+                           "honest") == [] and "honest" in c.round.folded
+        c.tick(now)
+        writes, inode = writes + (state.stat().st_ino != inode), state.stat().st_ino
+    assert writes <= 4, writes  # two for the pace, one for the fold, and one to spare
+    c.tick(5.0)
+    saved = json.loads(state.read_text())
+    assert saved["registered"]["flipper"]["n_samples"] == 11 and "honest" in saved["round"]["folded"]
+
+
 HEADERS = {"list": [1, 2], "empty list": [], "string": "x", "number": 7, "huge number": Raw("1e400"), "null": None,
            "true": True, "nested": {"stem.weight": [[{"dtype": "F32"}]]}, "metadata list": {"__metadata__": [1]},
            "codec list": {"__metadata__": {"fedper.codec": ["int8"]}}}
