@@ -41,13 +41,13 @@ def run(
     engine: str = typer.Option("auto", help="auto (vmap on GPU, sequential on CPU) | sequential | vmap"),
     input_size: int | None = typer.Option(None, help="Image side in pixels (default: the data's; digits 32)"),
     scale: float = typer.Option(1.0, help="Fraction (<= 1) of the samples and rounds kept, for smoke runs"),
-    out: Path = typer.Option(Path("runs/emulate"), help="Run directory: config.json, metrics.jsonl, state.pt"),
-    resume: bool = typer.Option(False, help="Continue the run in --out from its state.pt"),
+    out: Path = typer.Option(Path("runs/emulate"), help="Run directory: config.json, metrics.jsonl, state.safetensors"),
+    resume: bool = typer.Option(False, help="Continue the run in --out from its state.safetensors"),
     progress: bool = typer.Option(True, help="Show a progress bar"),
     world_size: int = typer.Option(1, help="Spread the clients over this many local processes (gloo on CPU, "
                                            "NCCL on GPUs); under torchrun leave it at 1"),
 ) -> None:
-    """Run one experiment and write DIR/config.json, metrics.jsonl, summary.json and state.pt.
+    """Run one experiment and write DIR/config.json, metrics.jsonl, summary.json and state.safetensors.
 
     Under torchrun (WORLD_SIZE > 1) each process trains its share of the clients and rank 0 writes."""
     from fedper.algorithms import get_algorithm
