@@ -100,6 +100,32 @@ def test_k_classes_paper_setting_on_cifar_sized_labels() -> None:
     assert sum(len(p) for p in parts) == 5000
 
 
+@pytest.mark.parametrize("k", [4, 5, 8])
+def test_k_classes_draws_class_sets_per_device(k: int) -> None:
+    # N = 10 devices on 10 classes: a cyclic allowance from one permutation repeats every
+    # lcm(k, 10)/k devices (5 distinct sets for k = 4 or 8, 2 for k = 5); drawn per device, nearly all differ
+    labels = np.repeat(np.arange(10), 50)
+    for seed in range(10):
+        parts = split_k_classes(labels, n_clients=10, k=k, seed=seed)
+        class_sets = [frozenset(np.unique(labels[p]).tolist()) for p in parts]
+        assert all(len(s) == k for s in class_sets)
+        assert len(set(class_sets)) >= 8, (seed, class_sets)
+        assert set().union(*class_sets) == set(range(10))  # every class owned
+
+
+def test_k_classes_warns_of_unused_classes(caplog: pytest.LogCaptureFixture) -> None:
+    labels = np.repeat(np.arange(100), 5)  # CIFAR-100's classes, N = 10, k = 4: 40 slots for 100 classes
+    with caplog.at_level("WARNING", logger="fedper.data"):
+        parts = split_k_classes(labels, n_clients=10, k=4, seed=0)
+    assert [r.getMessage().split(" classes")[0] for r in caplog.records] == ["60 of 100"]
+    used = np.concatenate([labels[p] for p in parts])
+    assert len(np.unique(used)) == 40 and len(used) == 40 * 5  # each used class wholly, on one device
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fedper.data"):
+        split_k_classes(labels, n_clients=25, k=4, seed=0)
+    assert not caplog.records
+
+
 @pytest.mark.parametrize(
     ("labels", "n_clients", "k", "message"),
     [

@@ -6,11 +6,14 @@ identical partitions on every machine. Returned index arrays are int64, sorted a
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import numpy as np
 
 from fedper.data.errors import DataError
+
+log = logging.getLogger("fedper.data")
 
 # Dirichlet resampling gives up after this many draws rather than loop forever on an infeasible min_size.
 DIRICHLET_TRIES = 1000
@@ -41,29 +44,64 @@ def _check_clients(n_clients: int, n_samples: int) -> None:
         raise DataError(f"{n_samples} samples cannot be split among {n_clients} devices")
 
 
+def _class_quotas(n_classes: int, slots: int, rng: np.random.Generator) -> np.ndarray:
+    """How many devices may sample each class: the `slots` (devices x k) spread as evenly as they go,
+    floor or ceil of slots/n_classes, the ceils (or, with fewer slots than classes, the single
+    allowances) going to classes drawn at random."""
+    quota = np.full(n_classes, slots // n_classes, np.int64)
+    quota[rng.permutation(n_classes)[: slots % n_classes]] += 1
+    return quota
+
+
+def _allow_classes(n_classes: int, n_clients: int, k: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Each device's k distinct classes (positions into the class list), drawn at random per device
+    such that class c is allowed to exactly quota[c] devices.
+
+    Device by device, the classes still allowed to all m remaining devices are forced; the rest are
+    drawn without replacement, weighted by the allowances each class has left, so that rarely
+    drawn classes are not all left to the last devices. Forcing keeps every allowance <= m, which
+    with m*k allowances left is all it takes for the remaining devices to be served, so the draw
+    never dead-ends."""
+    left = _class_quotas(n_classes, n_clients * k, rng)
+    allowed = []
+    for m in range(n_clients, 0, -1):
+        forced = np.flatnonzero(left == m)
+        free = np.flatnonzero((left > 0) & (left < m))
+        weights = left[free] / left[free].sum() if len(free) else None
+        drawn = rng.choice(free, size=k - len(forced), replace=False, p=weights)
+        mine = np.sort(np.concatenate([forced, drawn]))
+        left[mine] -= 1
+        allowed.append(mine)
+    return allowed
+
+
 def split_k_classes(labels: np.ndarray | Sequence[int], n_clients: int, k: int, seed: int) -> list[np.ndarray]:
     """The FedPer paper's split: each device samples at most k classes, and a class's samples are
     divided equally (sizes differ by at most 1) among the devices allowed to sample it.
 
-    Allowance: with perm a seeded permutation of the C classes present, device i may sample classes
-    perm[(i*k + j) % C] for j < k. Consecutive positions on that cycle are distinct (k <= C), and
-    the n*k positions cover the cycle evenly, so every class is allowed to floor(n*k/C) or
-    ceil(n*k/C) devices. A class allowed to no device (n*k < C) is unused. A device gets fewer
-    than k classes only when a class has fewer samples than devices allowed to sample it."""
+    Allowance: each device is allowed k classes drawn at random (see _allow_classes), every class to
+    floor(n*k/C) or ceil(n*k/C) of the n devices, so every class is used when n*k >= C; with fewer
+    slots than classes, C - n*k classes are unused, which is logged as a warning. A device gets
+    fewer than k classes only when a class has fewer samples than devices allowed to sample it."""
     y = _as_labels(labels)
     classes = np.unique(y)
     _check_clients(n_clients, len(y))
     if not 1 <= k <= len(classes):
         raise DataError(f"k={k} classes per device, but the labels hold {len(classes)} classes")
+    if n_clients * k < len(classes):
+        log.warning(
+            "%d of %d classes are used by no device: %d devices x k=%d classes allow only %d; "
+            "use more devices or a larger k to use them all",
+            len(classes) - n_clients * k, len(classes), n_clients, k, n_clients * k,
+        )
     rng = np.random.default_rng(seed)
-    perm = rng.permutation(classes)
-    allowed: dict[int, list[int]] = {int(c): [] for c in classes}
-    for i in range(n_clients):
-        for j in range(k):
-            allowed[int(perm[(i * k + j) % len(classes)])].append(i)
+    owners: dict[int, list[int]] = {int(c): [] for c in classes}
+    for dev, mine in enumerate(_allow_classes(len(classes), n_clients, k, rng)):
+        for c in classes[mine]:
+            owners[int(c)].append(dev)
     parts: list[list[np.ndarray]] = [[] for _ in range(n_clients)]
     for c in classes:
-        devices = allowed[int(c)]
+        devices = owners[int(c)]
         if not devices:
             continue
         members = rng.permutation(np.flatnonzero(y == c))
