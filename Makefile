@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test lint bench mosquitto clean
+.PHONY: install demo test lint bench mosquitto prometheus clean
 
 install: $(STAMP)
 
@@ -24,10 +24,19 @@ mosquitto:
 		|| echo "could not install mosquitto: its tests will be skipped"; \
 	else echo "mosquitto or mosquitto-clients is missing and we are not root: the Mosquitto tests will be skipped"; fi
 
+# The metrics test scrapes the coordinator with a real Prometheus server (Debian package), installed the same way.
+prometheus:
+	@if command -v prometheus >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing prometheus (Debian package) for the metrics test"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus \
+			>/dev/null) || echo "could not install prometheus: its test will be skipped"; \
+	else echo "prometheus is missing and we are not root: the Prometheus test will be skipped"; fi
+
 demo: install
 	$(BIN)/fedper demo
 
-test: install mosquitto
+test: install mosquitto prometheus
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 

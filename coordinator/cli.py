@@ -11,6 +11,7 @@ import typer
 
 if TYPE_CHECKING:
     from fedper.coordinator.engine import Coordinator
+    from fedper.coordinator.metrics import CoordinatorMetrics
     from fedper.mqtt import BrokerUrl
 
 app = typer.Typer(help="Run federated rounds over MQTT: register devices, aggregate base updates.",
@@ -48,6 +49,10 @@ def run(
     max_messages_per_second: float = typer.Option(
         1000.0, min=0.001, help="Messages per device per second (bursts: 2 s' worth, or two updates' chunks); "
                                 "more are dropped unread and counted (rate_limited)."),
+    metrics_port: int = typer.Option(
+        None, min=0, max=65535, help="Serve Prometheus metrics on this port (/metrics; default: off). Needs the "
+                                     "coordinator extra (prometheus_client)."),
+    metrics_host: str = typer.Option("127.0.0.1", help="Address the metrics endpoint listens on."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every accepted update."),
 ) -> None:
     """Serve rounds until --rounds are done; resumes from --state-dir after a restart."""
@@ -85,6 +90,7 @@ def run(
         typer.echo(f"fedper-coordinator: {e}", err=True)
         raise typer.Exit(2) from None
 
+    metrics = _metrics(coordinator, metrics_host, metrics_port) if metrics_port is not None else None
     embedded = None
     if embedded_broker:
         from fedper.coordinator.broker import EmbeddedBroker
@@ -96,7 +102,7 @@ def run(
             raise typer.Exit(2) from None
         mqtt_version = "3.1.1"
     try:
-        _serve(coordinator, url, mqtt_version, username, password, str(tls_ca) if tls_ca else None)
+        _serve(coordinator, url, mqtt_version, username, password, str(tls_ca) if tls_ca else None, metrics)
     except CheckpointError as e:
         typer.echo(f"fedper-coordinator: {e}; stopped with the last checkpoint intact, rerun to resume", err=True)
         raise typer.Exit(1) from None
@@ -109,11 +115,32 @@ def run(
     finally:
         if embedded:
             embedded.stop()
+        if metrics:
+            metrics.close()
     typer.echo(f"done: {coordinator.config.rounds} round(s); final model in {state_dir / 'final.safetensors'}")
 
 
+def _metrics(coordinator: Coordinator, host: str, port: int) -> CoordinatorMetrics:
+    """The Prometheus endpoint, serving from now on (coordinator/metrics.py)."""
+    try:
+        from fedper.coordinator.metrics import CoordinatorMetrics
+    except ImportError as e:
+        typer.echo(f"fedper-coordinator: --metrics-port needs prometheus_client ({e}): "
+                   "pip install 'fedper-edge[coordinator]'", err=True)
+        raise typer.Exit(2) from None
+    metrics = CoordinatorMetrics()
+    metrics.observe(coordinator)
+    try:
+        bound = metrics.serve(host, port)
+    except OSError as e:
+        typer.echo(f"fedper-coordinator: cannot serve metrics on {host}:{port}: {e}", err=True)
+        raise typer.Exit(2) from None
+    logging.getLogger("fedper.coordinator").info("Prometheus metrics on http://%s:%d/metrics", host, bound)
+    return metrics
+
+
 def _serve(coordinator: Coordinator, url: BrokerUrl, protocol: str, username: str | None, password: str | None,
-           tls_ca: str | None) -> None:
+           tls_ca: str | None, metrics: CoordinatorMetrics | None) -> None:
     """The service with a rich progress bar: rounds done, and updates accepted in the open round."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -126,6 +153,8 @@ def _serve(coordinator: Coordinator, url: BrokerUrl, protocol: str, username: st
         updates = progress.add_task("updates", total=None, info="")
 
         def show(c: Coordinator) -> None:
+            if metrics:
+                metrics.observe(c)
             done = c.round.number - (0 if c.finished else 1)
             progress.update(rounds, completed=done, info=f"round {c.round.number}")
             rejected = sum(v for k, v in c.counters.items() if k != "accepted")
