@@ -134,6 +134,7 @@ class Coordinator:
         self.round = _Round(1)
         self.finished = False
         self.online: set[str] = set()
+        self.fold_seconds = 0.0  # spent folding and checkpointing accepted updates in this process (monitoring)
         self._aggregator: Any = AGGREGATORS[config.aggregator]()
         self._reassembler, self._rate = self._quotas(manifest, config)
         self._rejected: dict[str, set[str]] = {}  # device -> blob ids refused (and answered) in the open round
@@ -312,7 +313,7 @@ class Coordinator:
               metrics: dict[str, float]) -> None:
         """Fold an update checked in full (tensors prepared) into the round: the aggregator's add is all or
         nothing, and nothing else changes before it succeeded."""
-        k = self.round.number
+        k, started = self.round.number, time.perf_counter()
         try:
             self._aggregator.add(tensors, n_samples)
         except ValueError as e:
@@ -327,6 +328,7 @@ class Coordinator:
             files.updates[device] = self.store.write_bytes(f"update-r{k}-{device}.safetensors", blob)
         self.counters["accepted"] += 1
         self._commit()
+        self.fold_seconds += time.perf_counter() - started
         log.debug("round %d: accepted %s (%d samples, accuracy %s) [%d/%d]", k, device, n_samples,
                  metrics.get("accuracy", "n/a"), len(self.round.folded), len(self.registered))
 
