@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from fedper.coordinator.engine import Coordinator
 
 ROUND_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, float("inf"))  # a round: seconds to hours
-FAST_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, float("inf"))  # aggregation, broadcast
+FAST_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, float("inf"))  # a fold, aggregation, broadcast
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,11 @@ class CoordinatorMetrics:
         self._records_read = 0  # bytes of metrics.jsonl already read
         self._closed_bytes = 0  # bytes received in the rounds of those records
         self._accuracy: float | None = None  # mean reported accuracy of the last closed round
+        self._folds_seen: tuple[int, float] | None = None  # (accepted updates, fold seconds) at the last call
         self._server: tuple[WSGIServer, threading.Thread] | None = None
+        self.fold_seconds = Histogram("fedper_fold_seconds", "Seconds to fold one accepted update into the "
+                                      "round's aggregate and checkpoint it.", buckets=FAST_BUCKETS,
+                                      registry=self.registry)
         self.round_seconds = Histogram("fedper_round_seconds", "Seconds from a round's opening to its close "
                                        "(rounds closed by this process).", buckets=ROUND_BUCKETS,
                                        registry=self.registry)
@@ -88,6 +92,7 @@ class CoordinatorMetrics:
         if self._snapshot is None or closed != self._snapshot.rounds_closed:
             self._read_records(coordinator, first=self._snapshot is None)
         counters = coordinator.counters
+        self._observe_folds(counters["accepted"], coordinator.fold_seconds)
         self._snapshot = _Snapshot(
             registered=len(coordinator.registered),
             online=len(coordinator.online),
@@ -103,6 +108,15 @@ class CoordinatorMetrics:
             received_bytes=self._closed_bytes + coordinator.round.bytes_received,
             accuracy=self._accuracy,
         )
+
+    def _observe_folds(self, accepted: int, fold_seconds: float) -> None:
+        """One observation per update folded since the last call (their mean, should there be several: the
+        service calls after each message, and a message completes at most one update)."""
+        if self._folds_seen is not None:
+            folded = accepted - self._folds_seen[0]
+            for _ in range(folded):
+                self.fold_seconds.observe((fold_seconds - self._folds_seen[1]) / folded)
+        self._folds_seen = (accepted, fold_seconds)
 
     def _read_records(self, coordinator: Coordinator, first: bool) -> None:
         """Fold the metrics.jsonl records appended since the last read. The first read (a resumed run's

@@ -57,6 +57,7 @@ def test_scrape_after_a_round_reports_devices_rounds_refusals_bytes_and_accuracy
     port = metrics.serve("127.0.0.1", 0)
     try:
         c.start(0.0)
+        metrics.observe(c)
         for device, n in (("a", 10), ("b", 30), ("c", 5)):
             c.handle(TOPICS.register(device), Register(n, MANIFEST.base_digest, "test/1").encode(), 0.1)
         for device in ("a", "b"):
@@ -93,6 +94,8 @@ def test_scrape_after_a_round_reports_devices_rounds_refusals_bytes_and_accuracy
     assert got[("fedper_round_seconds_bucket", (("le", "15.0"),))] == 1  # 10.5 s
     assert got[("fedper_round_seconds_bucket", (("le", "5.0"),))] == 0
     assert got[("fedper_aggregate_seconds_count", ())] == 1
+    assert got[("fedper_fold_seconds_count", ())] == 3  # one per accepted update
+    assert 0 < got[("fedper_fold_seconds_sum", ())] == pytest.approx(c.fold_seconds)
 
 
 def test_a_resumed_run_keeps_totals_and_counts_only_its_own_rounds_in_histograms(tmp_path: Path) -> None:
