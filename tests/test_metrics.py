@@ -4,6 +4,7 @@ and scraped by a real Prometheus server during a live round over Mosquitto."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -29,6 +30,13 @@ from fedper.wire import Register, Topics, UpdateMeta, chunk
 MANIFEST = tiny_manifest()
 TOPICS = Topics("lab")
 PROMETHEUS = shutil.which("prometheus")
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+
+
+def dashboard_queries() -> list[str]:
+    """The PromQL of every panel of deploy/grafana/fedper-dashboard.json, for all coordinators."""
+    dashboard = json.loads((DEPLOY / "grafana" / "fedper-dashboard.json").read_text())
+    return [t["expr"].replace("$instance", ".*") for p in dashboard["panels"] for t in p["targets"]]
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -96,6 +104,8 @@ def test_scrape_after_a_round_reports_devices_rounds_refusals_bytes_and_accuracy
     assert got[("fedper_aggregate_seconds_count", ())] == 1
     assert got[("fedper_fold_seconds_count", ())] == 3  # one per accepted update
     assert 0 < got[("fedper_fold_seconds_sum", ())] == pytest.approx(c.fold_seconds)
+    dashboard_names = {n for q in dashboard_queries() for n in re.findall(r"fedper_\w+", q)}
+    assert dashboard_names and dashboard_names <= {name for name, _ in got}  # the dashboard shows what is served
 
 
 def test_a_resumed_run_keeps_totals_and_counts_only_its_own_rounds_in_histograms(tmp_path: Path) -> None:
@@ -193,6 +203,17 @@ def test_a_real_prometheus_scrapes_accepted_updates_of_a_live_round(mosquitto, t
         registered = query(prometheus_port, "fedper_devices_registered")
         assert [float(r["value"][1]) for r in registered] == [2]
         assert query(prometheus_port, "up{job='fedper-coordinator'}")[0]["value"][1] == "1"
+        for expression in dashboard_queries():  # every dashboard panel's query is valid PromQL for this Prometheus
+            query(prometheus_port, expression)
     finally:  # the processes fixture kills the coordinator and Prometheus
         for d in devices:
             d.close()
+
+
+def test_shipped_scrape_config_is_valid() -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (it comes with Debian's prometheus package)")
+    done = subprocess.run([promtool, "check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
