@@ -14,6 +14,12 @@ Codecs (the name a device announces, the `fedper.codec` entry of the metadata `e
   wire: the model of the round the update answers); decoding gives r + lo + q * scale. The grid
   then spans the round's change instead of the weights' whole range: a late round moves the
   weights by less than whole-weight `int8`'s grid (docs/performance.md has the update errors).
+- `int8-delta-pc`: `int8-delta` with a grid per output channel: a tensor of two or more
+  dimensions has C = shape[0] channels (the rows of its row-major layout), any other one channel.
+  Channel c is quantized on [lo_c, hi_c] of its own change, scale_c = (hi_c - lo_c) / 255 rounded
+  up to float32, so a channel that moved little is not rounded on the grid of one that moved a
+  lot. `fedper.quant` is {tensor name: base64 (RFC 4648, padded) of C float32 little-endian
+  (lo_c, scale_c) pairs}: 8 bytes a channel, whatever the values.
 
 Tensors that are not float32 pass through unchanged, and so do the float32 tensors the caller
 names `exact`: the wire keeps BatchNorm running statistics exact, because quantizing a variance
@@ -26,20 +32,22 @@ Arrays in, arrays and metadata out: the module knows nothing about bytes, manife
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 from collections.abc import Collection, Mapping
 
 import numpy as np
 
-CODECS = ("fp32", "fp16", "int8", "int8-delta")
-DELTA_CODECS = ("int8-delta",)  # they encode the difference from a reference both ends hold
-QUANTIZED = ("int8", "int8-delta")
+CODECS = ("fp32", "fp16", "int8", "int8-delta", "int8-delta-pc")
+DELTA_CODECS = ("int8-delta", "int8-delta-pc")  # they encode the difference from a reference both ends hold
+QUANTIZED = ("int8", "int8-delta", "int8-delta-pc")
+PER_CHANNEL = ("int8-delta-pc",)  # a grid per output channel, its parameters as base64 float32
 CODEC_KEY = "fedper.codec"
 QUANT_KEY = "fedper.quant"
 FP16_MAX = float(np.finfo(np.float16).max)
-_STORED = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "int8": np.dtype(np.uint8),
-           "int8-delta": np.dtype(np.uint8)}
+_STORED = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), **{c: np.dtype(np.uint8) for c in QUANTIZED}}
+_PAIR = np.dtype("<f4")  # a per-channel parameter on the wire: float32, little-endian
 
 
 class CodecError(ValueError):
@@ -52,6 +60,12 @@ def check_codec(codec: str) -> str:
     return codec
 
 
+def channels(shape: tuple[int, ...]) -> int:
+    """How many grids a per-channel codec gives a tensor: one per output channel (axis 0) from two
+    dimensions up; a vector or a scalar is one channel (a grid per value would cost more than float32)."""
+    return int(shape[0]) if len(shape) >= 2 else 1
+
+
 def _reference(reference: Mapping[str, np.ndarray] | None, codec: str, name: str, x: np.ndarray) -> np.ndarray:
     """The reference tensor a delta codec encodes `name` against, checked against `x`'s shape."""
     if reference is None:
@@ -59,6 +73,27 @@ def _reference(reference: Mapping[str, np.ndarray] | None, codec: str, name: str
     if name not in reference or np.shape(reference[name]) != x.shape:
         raise CodecError(f"{name}: no reference tensor of shape {list(x.shape)} for codec {codec}")
     return np.asarray(reference[name], dtype=np.float32)
+
+
+def _rows(x: np.ndarray, count: int) -> np.ndarray:
+    """`x` as `count` rows, one per channel (reshape(count, -1) cannot infer a row of an empty array)."""
+    return x.reshape(count, x.size // count if x.size else 0)
+
+
+def _quantize(x: np.ndarray, per_channel: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(uint8 q, lo, scale), one (lo, scale) per channel: q = round((x - lo) / scale) on each channel's
+    [lo, hi], within scale / 2 of x. Per-channel parameters are the float32 values sent (scale
+    rounded up, so the channel's range still fits 255 steps); per-tensor ones stay float64 (JSON)."""
+    rows = _rows(x, channels(x.shape) if per_channel else 1).astype(np.float64)
+    lo, hi = (rows.min(1), rows.max(1)) if rows.shape[1] else (np.zeros(len(rows)), np.zeros(len(rows)))
+    scale = (hi - lo) / 255.0
+    if per_channel:
+        lo, wide = lo.astype(np.float32), scale.astype(np.float32)  # lo: an element of x, so exact
+        scale = np.where(wide < scale, np.nextafter(wide, np.float32(np.inf)), wide).astype(np.float64)
+        lo = lo.astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):  # a constant channel (scale 0) is all q = 0
+        q = np.where(scale[:, None] > 0, np.rint((rows - lo[:, None]) / scale[:, None]), 0.0).clip(0, 255)
+    return q.astype(np.uint8).reshape(x.shape), lo, scale
 
 
 def encode(
@@ -69,7 +104,7 @@ def encode(
     tensors must be finite. Delta codecs encode x - reference[name]."""
     check_codec(codec)
     arrays: dict[str, np.ndarray] = {}
-    quant: dict[str, list[float]] = {}
+    quant: dict[str, list[float] | str] = {}
     for name, value in tensors.items():
         x = np.asarray(value)
         if _passes_through(x):
@@ -89,11 +124,11 @@ def encode(
                 x = x - _reference(reference, codec, name, x)
                 if not np.isfinite(x).all():
                     raise CodecError(f"{name}: its difference from the reference overflows float32")
-            lo, hi = (float(x.min()), float(x.max())) if x.size else (0.0, 0.0)
-            scale = (hi - lo) / 255.0
-            q = np.zeros(x.shape, np.uint8) if scale == 0 else np.rint((x - lo) / scale).clip(0, 255)
-            arrays[name] = q.astype(np.uint8)
-            quant[name] = [lo, scale]
+            arrays[name], lo, scale = _quantize(x, per_channel=codec in PER_CHANNEL)
+            if codec in PER_CHANNEL:
+                quant[name] = base64.b64encode(np.stack([lo, scale], axis=1).astype(_PAIR).tobytes()).decode()
+            else:
+                quant[name] = [float(lo[0]), float(scale[0])]
     metadata = {CODEC_KEY: codec}
     if codec in QUANTIZED:
         metadata[QUANT_KEY] = json.dumps(quant, separators=(",", ":"))
@@ -106,7 +141,7 @@ def decode(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str],
     delta codec's `reference` is missing or has another shape."""
     codec = check_codec(metadata.get(CODEC_KEY, ""))
     stored = _STORED[codec]
-    quant = _quant_params(metadata) if codec in QUANTIZED else {}
+    quant = _quant_params(metadata, codec, arrays) if codec in QUANTIZED else {}
     out: dict[str, np.ndarray] = {}
     for name, value in arrays.items():
         x = np.asarray(value)
@@ -119,16 +154,14 @@ def decode(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str],
             raise CodecError(f"{name} is {x.dtype}: not what codec {codec} writes, or its parameters are missing")
         elif codec in QUANTIZED:
             lo, scale = quant[name]
+            rows = _rows(x, len(lo)).astype(np.float64)
             base = _reference(reference, codec, name, x).astype(np.float64) if codec in DELTA_CODECS else 0.0
             with np.errstate(over="ignore"):  # a hostile [lo, scale] overflows: refused just below
-                out[name] = (base + (lo + x.astype(np.float64) * scale)).astype(np.float32)
+                out[name] = (base + (lo[:, None] + rows * scale[:, None]).reshape(x.shape)).astype(np.float32)
         else:
             out[name] = x.astype(np.float32)
         if not np.isfinite(out[name]).all():
             raise CodecError(f"{name} decodes to NaN or Inf")
-    unused = sorted(set(quant) - set(arrays))
-    if unused:
-        raise CodecError(f"quantization parameters for tensors not in the arrays: {unused[:3]}")
     return out
 
 
@@ -137,19 +170,47 @@ def _passes_through(x: np.ndarray) -> bool:
     return x.dtype.kind in "iu" and x.dtype != np.uint8
 
 
-def _quant_params(metadata: Mapping[str, str]) -> dict[str, tuple[float, float]]:
+def _quant_params(metadata: Mapping[str, str], codec: str,
+                  arrays: Mapping[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{name: (lo, scale)}, one entry per channel, each checked: finite, scale >= 0 (0: a constant
+    channel), as many channels as the array's shape has; a per-channel string is measured before it
+    is decoded, so the metadata cannot make the decoder allocate more than the arrays already hold."""
     try:
         raw = json.loads(metadata[QUANT_KEY])
     except (KeyError, TypeError, ValueError):
         raise CodecError(f"int8 arrays without valid {QUANT_KEY} metadata") from None
     if not isinstance(raw, dict):
         raise CodecError(f"{QUANT_KEY} must be a JSON object")
+    unused = sorted(set(raw) - set(arrays))
+    if unused:
+        raise CodecError(f"quantization parameters for tensors not in the arrays: {unused[:3]}")
     params = {}
-    for name, pair in raw.items():
-        ok = isinstance(pair, list) and len(pair) == 2 and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in pair)
-        if not ok or pair[1] < 0:
-            raise CodecError(f"{QUANT_KEY}[{name!r}] must be [lo, scale] with finite numbers and scale >= 0")
-        params[name] = (float(pair[0]), float(pair[1]))
+    for name, value in raw.items():
+        if codec in PER_CHANNEL:
+            lo, scale = _channel_params(name, value, channels(np.shape(arrays[name])))
+        else:
+            ok = isinstance(value, list) and len(value) == 2 and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)
+            if not ok:
+                raise CodecError(f"{QUANT_KEY}[{name!r}] must be [lo, scale] with finite numbers and scale >= 0")
+            lo, scale = np.array([float(value[0])]), np.array([float(value[1])])
+        if not (np.isfinite(lo).all() and np.isfinite(scale).all() and (scale >= 0).all()):
+            raise CodecError(f"{QUANT_KEY}[{name!r}]: every lo and scale must be finite, and scale >= 0")
+        params[name] = (lo, scale)
     return params
 
+
+def _channel_params(name: str, value: object, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """The `count` (lo, scale) float32 pairs of a per-channel tensor from their base64 string."""
+    size = 4 * math.ceil(count * 2 * _PAIR.itemsize / 3)  # padded base64 of 8 bytes a channel
+    if not isinstance(value, str) or len(value) != size:
+        raise CodecError(f"{QUANT_KEY}[{name!r}] must be base64 of {count} (lo, scale) float32 pairs "
+                         f"({size} characters), one per channel")
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except ValueError:
+        raise CodecError(f"{QUANT_KEY}[{name!r}] is not valid base64") from None
+    if len(raw) != count * 2 * _PAIR.itemsize:
+        raise CodecError(f"{QUANT_KEY}[{name!r}] decodes to {len(raw)} bytes, not {count} (lo, scale) float32 pairs")
+    pairs = np.frombuffer(raw, _PAIR).reshape(count, 2).astype(np.float64)
+    return pairs[:, 0], pairs[:, 1]

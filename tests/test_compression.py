@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
 
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from fedper.compression import CODEC_KEY, CODECS, QUANT_KEY, CodecError, decode, encode
+from fedper.compression import CODEC_KEY, CODECS, QUANT_KEY, CodecError, channels, decode, encode
 
 finite32 = st.floats(-1e4, 1e4, allow_nan=False, allow_infinity=False, width=32)
 tensor_dicts = st.dictionaries(
@@ -62,7 +64,7 @@ def test_encoded_sizes_shrink_and_integers_pass_through():
     encoded = {codec: encode(tensors, codec, reference=tensors) for codec in CODECS}
     sizes = {codec: sum(a.nbytes for a in arrays_.values()) for codec, (arrays_, _) in encoded.items()}
     assert sizes["fp16"] < 0.55 * sizes["fp32"] and sizes["int8"] < 0.3 * sizes["fp32"]
-    assert sizes["int8-delta"] < 0.3 * sizes["fp32"]
+    assert sizes["int8-delta"] < 0.3 * sizes["fp32"] and sizes["int8-delta-pc"] == sizes["int8-delta"]
     for arrays_, metadata in encoded.values():
         assert arrays_["steps"] is tensors["steps"]
         np.testing.assert_array_equal(decode(arrays_, metadata, tensors)["steps"], tensors["steps"])
@@ -91,6 +93,86 @@ def test_int8_delta_puts_its_grid_on_the_change_not_on_the_weights():
     for wrong in ({"v": base["w"]}, {"w": base["w"][:3]}):
         with pytest.raises(CodecError, match="no reference tensor"):
             decode(arrays_, metadata, wrong)
+
+
+def channel_params(metadata: dict[str, str], name: str) -> np.ndarray:
+    """The (lo, scale) float32 pairs of one tensor of an int8-delta-pc blob, read as protocol.md says."""
+    raw = base64.b64decode(json.loads(metadata[QUANT_KEY])[name])
+    return np.array(struct.unpack(f"<{len(raw) // 4}f", raw), np.float64).reshape(-1, 2)
+
+
+@settings(max_examples=40, deadline=None)
+@given(tensor_dicts, st.integers(0, 2**32 - 1))
+def test_int8_delta_pc_errs_by_half_a_step_of_each_channels_own_grid(tensors, seed):
+    """Every output channel (axis 0) gets its own grid over its own change: the error of each value
+    is within half of its channel's step, and that step is 1/255 of the channel's range."""
+    rng = np.random.default_rng(seed)
+    reference = {n: (x + rng.standard_normal(x.shape)).astype(np.float32) for n, x in tensors.items()}
+    arrays_, metadata = encode(tensors, "int8-delta-pc", reference=reference)
+    back = decode(arrays_, metadata, reference)
+    for name, x in tensors.items():
+        pairs = channel_params(metadata, name)
+        assert arrays_[name].dtype == np.uint8 and back[name].dtype == np.float32 and len(pairs) == channels(x.shape)
+        if not x.size:
+            continue
+        change = (x - reference[name]).reshape(len(pairs), -1).astype(np.float64)
+        error = np.abs(back[name].astype(np.float64) - x).reshape(len(pairs), -1)
+        slack = 4 * np.spacing(np.float32(max(np.abs(x).max(), np.abs(reference[name]).max())))
+        np.testing.assert_array_equal(pairs[:, 0], change.min(1))
+        assert (pairs[:, 1] >= (change.max(1) - change.min(1)) / 255).all()
+        assert (pairs[:, 1] <= (change.max(1) - change.min(1)) / 255 * (1 + 2**-23)).all()
+        assert (error.max(1) <= pairs[:, 1] / 2 + slack).all()
+
+
+def test_int8_delta_pc_gives_a_channel_that_moved_little_its_own_fine_grid():
+    """One channel changes 100x more than the others: per tensor, its range sets everybody's step;
+    per channel, the others get a grid ~100x finer, and that channel keeps the one it had."""
+    rng = np.random.default_rng(0)
+    base = {"conv": (0.1 * rng.standard_normal((16, 8, 3, 3))).astype(np.float32)}
+    change = 1e-4 * rng.standard_normal((16, 8, 3, 3))
+    change[3] *= 100
+    update = {"conv": (base["conv"] + change).astype(np.float32)}
+    errors = {}
+    for codec in ("int8-delta", "int8-delta-pc"):
+        arrays_, metadata = encode(update, codec, reference=base)
+        back = decode(arrays_, metadata, base)["conv"]
+        errors[codec] = np.sqrt(np.square(back.astype(np.float64) - update["conv"]).reshape(16, -1).sum(1))
+    others = np.arange(16) != 3
+    assert errors["int8-delta-pc"][others].max() < errors["int8-delta"][others].min() / 30
+    assert errors["int8-delta-pc"][3] <= 1.01 * errors["int8-delta"][3]
+    assert len(channel_params(metadata, "conv")) == 16
+    assert json.loads(encode({"v": np.ones(5, np.float32)}, "int8-delta-pc",
+                             reference={"v": np.zeros(5, np.float32)})[1][QUANT_KEY])["v"] == base64.b64encode(
+        struct.pack("<ff", 1.0, 0.0)).decode()  # a vector is one channel; a constant one has scale 0, all q = 0
+
+
+def pairs_b64(*values: float) -> str:
+    return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode()
+
+
+@pytest.mark.parametrize(("quant", "match"), [
+    ({"w": pairs_b64(0, 1)}, "2 \\(lo, scale\\) float32 pairs"),  # one channel for a (2, 3) tensor
+    ({"w": pairs_b64(0, 1, 0, 1, 0, 1)}, "2 \\(lo, scale\\) float32 pairs"),
+    ({"w": [0, 1]}, "must be base64"),
+    ({"w": "!" * 24}, "not valid base64"),
+    ({"w": "A" * 10**6}, "must be base64"),  # refused by its length, before anything is decoded
+    ({"w": pairs_b64(0, 1, float("nan"), 1)}, "finite"),
+    ({"w": pairs_b64(0, 1, 0, float("inf"))}, "finite"),
+    ({"w": pairs_b64(0, 1, 0, -1e-3)}, "scale >= 0"),
+    ({"w": pairs_b64(0, 1, 3e38, 3e38)}, "NaN or Inf"),
+    ({"w": pairs_b64(0, 1, 0, 1), "v": pairs_b64(0, 1)}, "not in the arrays"),
+    ({}, "parameters are missing"),
+])
+def test_int8_delta_pc_refuses_malformed_channel_parameters(quant, match):
+    """Parameters written by hand, as an untrusted device could: wrong channel count, not base64,
+    non-finite or negative, a string far longer than the tensor needs, a tensor that is not there."""
+    arrays_ = {"w": np.full((2, 3), 7, np.uint8)}
+    metadata = {CODEC_KEY: "int8-delta-pc", QUANT_KEY: json.dumps(quant)}
+    with pytest.raises(CodecError, match=match):
+        decode(arrays_, metadata, {"w": np.zeros((2, 3), np.float32)})
+    good = {CODEC_KEY: "int8-delta-pc", QUANT_KEY: json.dumps({"w": pairs_b64(0, 1, -1, 0.5)})}
+    np.testing.assert_array_equal(decode(arrays_, good, {"w": np.ones((2, 3), np.float32)})["w"],
+                                  [[8, 8, 8], [3.5, 3.5, 3.5]])
 
 
 @pytest.mark.parametrize("codec", ["fp16", "int8"])

@@ -8,6 +8,7 @@ import pytest
 from safetensors.numpy import save
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
+from fedper.compression import CODECS, channels
 from fedper.models import build_model, describe, exported_state
 from fedper.payload import PayloadError, decode_shared, encode_shared
 from fedper.wire import Reassembler, UpdateMeta, WireError, chunk, decode_chunk
@@ -70,7 +71,7 @@ def test_codecs_shrink_the_update_and_decode_within_their_precision(fleet, codec
 
 def test_encode_refuses_head_tensors_under_every_codec_and_decode_validates(fleet) -> None:
     manifest, state, _ = fleet
-    for codec in ("fp32", "fp16", "int8", "int8-delta"):
+    for codec in CODECS:
         with pytest.raises(PayloadError, match="never leave a device"):
             encode_shared(manifest, state, codec, base=state)
     shared = {n: state[n] for n in manifest.names(shared=True)}
@@ -104,6 +105,32 @@ def test_int8_delta_updates_decode_against_the_rounds_model(fleet) -> None:
     with pytest.raises(WireError) as refused:
         decode_shared(manifest, blob, "int8-delta")
     assert refused.value.code == "bad_tensors"
+
+
+def test_int8_delta_pc_round_trips_through_a_blob_within_each_channels_grid(fleet) -> None:
+    """Per output channel: each value comes back within half a step of its channel's own change
+    grid, BatchNorm statistics exact, and the blob is int8-delta's plus 8 bytes a channel (base64)."""
+    manifest, _, shared = fleet
+    rng = np.random.default_rng(2)
+    rates = {n: 10.0 ** rng.uniform(-5, -2, channels(v.shape)) for n, v in shared.items()}
+    trained = {n: (v + rates[n].reshape(-1, *[1] * (v.ndim - 1)) * rng.standard_normal(v.shape)).astype(v.dtype)
+               for n, v in shared.items()}
+    blob = encode_shared(manifest, trained, "int8-delta-pc", base=shared)
+    decoded = decode_shared(manifest, blob, "int8-delta-pc", base=shared)
+    statistics = {t.name for t in manifest.shared_tensors if not t.trainable}
+    for name, value in trained.items():
+        if name in statistics:
+            np.testing.assert_array_equal(decoded[name], value)
+            continue
+        rows = channels(value.shape)
+        change = (value - shared[name]).reshape(rows, -1).astype(np.float64)
+        error = np.abs(decoded[name].astype(np.float64) - value).reshape(rows, -1).max(1)
+        assert (error <= (change.max(1) - change.min(1)) / 510 + 1e-6).all(), name
+    params = sum(channels(shared[n].shape) for n in shared if n not in statistics)
+    per_tensor = encode_shared(manifest, trained, "int8-delta", base=shared)
+    assert 8 * params <= len(blob) - len(per_tensor) <= 8 * params * 4 / 3 + 64
+    with pytest.raises(PayloadError, match="needs that model"):
+        decode_shared(manifest, blob, "int8-delta-pc")
 
 
 def test_a_codec_that_does_not_match_the_blob_is_refused(fleet) -> None:
