@@ -33,9 +33,10 @@ def run(
     tls_ca: Path = typer.Option(None, help="CA certificate (PEM) to verify the broker with; implies TLS."),
     mqtt_version: str = typer.Option("5", help="MQTT protocol: 5 or 3.1.1."),
     chunk_size: int = typer.Option(63 * 1024, min=1, help="Bytes of tensor data per MQTT message."),
-    compression: str = typer.Option("fp32", help="Update codec: fp32, fp16 (half the bytes), int8 (a quarter) or "
+    compression: str = typer.Option("fp32", help="Update codec: fp32, fp16 (half the bytes), int8 (a quarter), "
                                     "int8-delta (a quarter, quantizing the change from the round's model: "
-                                    "far less error than int8 late in training)."),
+                                    "far less error than int8 late in training) or int8-delta-pc (int8-delta "
+                                    "with a grid per output channel: less error still, 8 bytes more a channel)."),
 ) -> None:
     """Train rounds until the coordinator announces the final model; resumes from --state-dir."""
     from fedper.compression import check_codec
