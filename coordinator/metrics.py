@@ -77,7 +77,7 @@ class CoordinatorMetrics:
                                            "aggregate into the next model.", buckets=FAST_BUCKETS,
                                            registry=self.registry)
         self.broadcast_seconds = Histogram("fedper_broadcast_seconds", "Seconds until the broker acknowledged "
-                                           "a closed round's model broadcast.", buckets=FAST_BUCKETS,
+                                           "the model broadcast that opened a round.", buckets=FAST_BUCKETS,
                                            registry=self.registry)
         self.registry.register(_SnapshotCollector(self))
 
