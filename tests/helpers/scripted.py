@@ -33,17 +33,8 @@ def scripted_devices(url: str, fleet: str, indices: list[int], timeout: float, r
     from vectors.make_vectors import tiny_manifest
 
     from fedper.mqtt import connect_async, make_client, parse_broker_url
-    from fedper.wire import (
-        Reassembler,
-        Register,
-        RoundInfo,
-        Topics,
-        UpdateMeta,
-        WireError,
-        decode_tensors,
-        max_shared_blob_size,
-        update_frames,
-    )
+    from fedper.payload import decode_shared, encode_shared, max_blob_size
+    from fedper.wire import Reassembler, Register, RoundInfo, Topics, UpdateMeta, WireError, chunk
 
     manifest, topics, broker = tiny_manifest(), Topics(fleet), parse_broker_url(url)
     answered: dict[str, set[int]] = {}
@@ -54,7 +45,7 @@ def scripted_devices(url: str, fleet: str, indices: list[int], timeout: float, r
         name = f"load-{index}"
         n, delta = device_plan(index)
         answered[name] = set()
-        reassembler = Reassembler(max_shared_blob_size(manifest))
+        reassembler = Reassembler(max_blob_size(manifest))
         seen: dict[str, Any] = {"blobs": {}, "info": None}
 
         def on_connect(client: mqtt.Client, userdata: object, flags: object, reason: object, props: object) -> None:
@@ -82,10 +73,11 @@ def scripted_devices(url: str, fleet: str, indices: list[int], timeout: float, r
             if info.round in answered[name]:
                 return
             answered[name].add(info.round)
-            base = decode_tensors(manifest, seen["blobs"][info.blob_id])
+            base = decode_shared(manifest, seen["blobs"][info.blob_id])
             update = {k: (v + np.float32(delta)).astype(v.dtype) for k, v in base.items()}
-            for frame in update_frames(manifest, update, UpdateMeta(info.round, n, manifest.base_digest),
-                                       f"r{info.round}-{name}"):
+            meta = UpdateMeta(info.round, n, manifest.base_digest)
+            for frame in chunk(encode_shared(manifest, update, meta.codec), blob_id=f"r{info.round}-{name}",
+                               meta=meta.to_dict()):
                 client.publish(topics.update(name), frame, qos=1)
 
         client = make_client(f"{fleet}-{name}", protocol="5")
