@@ -1,0 +1,388 @@
+"""Differential privacy for the shared tensors: DP-FedAvg with an accountant, one implementation for the
+coordinator and the emulator.
+
+DP-FedAvg (McMahan et al., ICLR 2018, "Learning Differentially Private Recurrent Language Models") gives
+user-level (device-level) central DP: each device's update delta (update - round model) is clipped to an
+L2 norm C over all the tensors it privatizes, the clipped deltas are averaged with a fixed denominator,
+and Gaussian noise of std z * C / (expected weight of a round) is added to the mean, so that whether any
+one device took part changes the released model by at most what the noise hides. `DPFedAvg` is that
+round's rule, with `add()`/`result()` like `fedper.aggregation.WeightedMean`; numpy arrays (the
+coordinator) and torch tensors (the emulator, on any device) alike. `AdaptiveClipping` moves C toward a
+quantile of the update norms (Andrew et al., NeurIPS 2021); `PrivacyAccountant` turns the rounds' (q, z)
+into epsilon at a delta with Google's `dp-accounting` (the `privacy` extra).
+
+What the guarantee covers. Only what is noised: the *trainable* shared tensors. BatchNorm running
+statistics are shared but not trained; they are per-channel means and variances of a device's own
+activations, not gradients, so clipping them with the weights would let their scale decide C, and noise
+on a variance can make it negative. Under DP they are therefore not aggregated: `result()` returns the
+round model's statistics unchanged (data-independent as long as the initial model is), so the released
+model is wholly covered. Devices re-estimate the statistics from their own data while they train (and
+keeping them local, FedBN style, also suits non-IID data).
+
+Why uniform weights. FedPer's gamma_j = n_j / sum n_j gives one device up to the whole weight and makes
+the denominator depend on the data: removing a device can move the mean by C, not C/m, whatever m is, so
+noise z*C/m would hide nothing. DP-FedAvg's estimator fixes both: weights w_j = min(n_j / cap, 1) (1 for
+every device without a cap, the paper's central setting) and a fixed denominator, the expected total
+weight of a round (the expected number of devices with uniform weights). Each device then moves the sum by
+at most C, and the noise on the sum is z*C. Any data-independent denominator keeps the guarantee (the
+noise scales with it); the expected weight keeps the mean unbiased.
+
+The head needs no noise, and that is FedPer's advantage here. The personalization layers never leave the
+device, so no released quantity depends on them: the sensitivity that DP must hide is that of the base
+alone, and the head trains on the device's full-precision local gradients, unclipped and noise-free. A
+model that shares everything (FedAvg, K_P = 0) pays the noise on every layer, the classifier included,
+while FedPer keeps the layers that matter most for a device's own classes exact.
+
+Randomness. Noise is drawn in float64 from the numpy Generator passed in, in the reference's tensor
+order, whatever the tensors' type (torch tensors get the same numbers, moved to their device), so a seed
+reproduces a round in the coordinator and the emulator alike. `round_generator(secret, round)` derives a
+round's generator, so a restarted coordinator draws the same noise without checkpointing generator
+state. The secret must stay secret: whoever knows it can subtract the noise. numpy's generator is not a
+cryptographic one, and floating-point Gaussian sampling has known side channels; this module targets
+research and fleets whose coordinator is trusted (central DP), not a certified deployment.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from fedper.aggregation import _check_layout
+from fedper.manifest import Manifest
+
+Tensor = Any  # numpy.ndarray or torch.Tensor
+Accounting = Literal["rdp", "pld"]
+BudgetAction = Literal["continue", "warn", "stop"]
+
+
+def private_tensor_names(manifest: Manifest) -> list[str]:
+    """The tensors DP clips and noises: the shared trainable ones (BatchNorm statistics excluded, see above)."""
+    return [t.name for t in manifest.shared_tensors if t.trainable]
+
+
+def round_generator(secret: int, round_index: int) -> np.random.Generator:
+    """The noise generator of one round, derived from the run's secret: a restart draws the same noise."""
+    if secret < 0 or round_index < 0:
+        raise ValueError(f"secret and round must be non-negative, got {secret}, {round_index}")
+    return np.random.default_rng([secret, round_index])
+
+
+def _as_float64(value: Tensor) -> Tensor:
+    return value.astype(np.float64) if isinstance(value, np.ndarray) else value.double()
+
+
+def _squared_norm(value: Tensor) -> float:
+    return float((value * value).sum())
+
+
+def delta_norm(tensors: Mapping[str, Tensor], reference: Mapping[str, Tensor], names: Iterable[str]) -> float:
+    """L2 norm of (tensors - reference) over `names`, computed in float64 one tensor at a time."""
+    return math.sqrt(sum(_squared_norm(_as_float64(tensors[n]) - _as_float64(reference[n])) for n in names))
+
+
+def clip_factor(norm: float, clip_norm: float) -> float:
+    """The scale that brings a delta of L2 norm `norm` to at most `clip_norm` (1 when it is already within)."""
+    return 1.0 if norm <= clip_norm else clip_norm / norm
+
+
+def clip_delta(tensors: Mapping[str, Tensor], reference: Mapping[str, Tensor], clip_norm: float,
+               names: Iterable[str]) -> dict[str, Tensor]:
+    """(tensors - reference) over `names`, float64, scaled to an L2 norm of at most clip_norm."""
+    names = list(names)
+    scale = clip_factor(delta_norm(tensors, reference, names), clip_norm)
+    return {n: (_as_float64(tensors[n]) - _as_float64(reference[n])) * scale for n in names}
+
+
+def _gaussian_like(rng: np.random.Generator, like: Tensor, std: float) -> Tensor:
+    """N(0, std^2) noise in float64 with `like`'s shape, as `like`'s kind of tensor and on its device."""
+    noise = rng.standard_normal(tuple(like.shape)) * std
+    if isinstance(like, np.ndarray):
+        return noise
+    import torch
+
+    return torch.from_numpy(noise).to(like.device)
+
+
+def _positive(name: str, value: float) -> float:
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive finite number, got {value}")
+    return value
+
+
+class DPFedAvg:
+    """One round of DP-FedAvg: clip each update's delta to `clip_norm`, sum w_j * clipped delta (float64),
+    add N(0, (noise_multiplier * clip_norm)^2) to the sum, divide by `expected_weight`, add to the round model.
+
+    `reference` is the round model as broadcast (every shared tensor); `private_names` the tensors that are
+    clipped and noised (default: all of them; the coordinator passes `private_tensor_names(manifest)`), the
+    others come back as the reference's. `expected_weight` is the fixed denominator: the expected number of
+    devices whose update a round folds with uniform weights, `expected_weight(...)` with a `sample_cap`.
+    With adaptive clipping, `noise_multiplier` is `AdaptiveClipping.update_noise_multiplier(z)`.
+    The state (sums, count, weight, unclipped count) checkpoints through `sums()`/`meta()` and `resume`."""
+
+    def __init__(self, reference: Mapping[str, Tensor], *, clip_norm: float, noise_multiplier: float,
+                 expected_weight: float, rng: np.random.Generator, sample_cap: float | None = None,
+                 private_names: Sequence[str] | None = None) -> None:
+        self.clip_norm = _positive("clip_norm", clip_norm)
+        if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
+            raise ValueError(f"noise_multiplier must be >= 0 and finite, got {noise_multiplier}")
+        self.noise_multiplier = float(noise_multiplier)
+        self.expected_weight = _positive("expected_weight", expected_weight)
+        self.sample_cap = None if sample_cap is None else _positive("sample_cap", sample_cap)
+        self.private_names = list(reference) if private_names is None else list(private_names)
+        if unknown := set(self.private_names) - set(reference):
+            raise ValueError(f"private tensors missing from the reference: {sorted(unknown)[:3]}")
+        self.reference = dict(reference)
+        self.rng = rng
+        self._shapes = {name: tuple(value.shape) for name, value in reference.items()}
+        self._sum: dict[str, Tensor] = {}
+        self.total_weight = 0.0
+        self.count = 0
+        self.unclipped = 0  # updates whose norm was within clip_norm: adaptive clipping's count
+
+    def weight(self, n_samples: float) -> float:
+        """w_j = min(n_j / cap, 1), or 1 without a cap: no claim can give a device more than one device's say."""
+        n = float(n_samples)
+        if not (math.isfinite(n) and n > 0):
+            raise ValueError(f"an update needs a positive finite sample count, got {n}")
+        return 1.0 if self.sample_cap is None else min(n / self.sample_cap, 1.0)
+
+    def add(self, tensors: Mapping[str, Tensor], n_samples: float) -> float:
+        """Fold one update in, all or nothing (a ValueError leaves the rule as it was); returns the delta's
+        norm before clipping (for metrics and adaptive clipping's choice of a target)."""
+        weight = self.weight(n_samples)
+        _check_layout(tensors, self._shapes)
+        norm = delta_norm(tensors, self.reference, self.private_names)
+        if not math.isfinite(norm):
+            raise ValueError("an update with a non-finite delta norm (NaN or Inf) cannot be clipped")
+        scale = weight * clip_factor(norm, self.clip_norm)
+        for name in self.private_names:
+            delta = (_as_float64(tensors[name]) - _as_float64(self.reference[name])) * scale
+            if name in self._sum:
+                self._sum[name] += delta
+            else:
+                self._sum[name] = delta
+        self.total_weight += weight
+        self.count += 1
+        self.unclipped += norm <= self.clip_norm
+        return norm
+
+    @property
+    def noise_std(self) -> float:
+        """Std of the noise on each coordinate of the mean: z * C / expected weight."""
+        return self.noise_multiplier * self.clip_norm / self.expected_weight
+
+    def result(self, dtype: Any = None) -> dict[str, Tensor]:
+        """The noised model: reference + (sum + noise) / expected_weight on the private tensors, the
+        reference on the others, each in its dtype (or numpy `dtype`). Draws the noise: call once."""
+        if not self.count:
+            raise ValueError("no update to aggregate")
+        out: dict[str, Tensor] = {}
+        for name, ref in self.reference.items():
+            cast = dtype or ref.dtype
+            if name not in self._sum:
+                out[name] = ref.astype(cast) if isinstance(ref, np.ndarray) else ref.clone().to(cast)
+                continue
+            noisy = self._sum[name] + _gaussian_like(self.rng, self._sum[name], self.noise_multiplier * self.clip_norm)
+            model = _as_float64(ref) + noisy / self.expected_weight
+            out[name] = model.astype(cast) if isinstance(model, np.ndarray) else model.to(cast)
+        return out
+
+    def sums(self) -> dict[str, Tensor]:
+        """Σ w_j clip(Δ_j) per private tensor, float64: the rule's own arrays (do not modify them)."""
+        return dict(self._sum)
+
+    def meta(self) -> dict[str, Any]:
+        """The rest of the state, JSON-serializable."""
+        return {"clip_norm": self.clip_norm, "noise_multiplier": self.noise_multiplier,
+                "expected_weight": self.expected_weight, "sample_cap": self.sample_cap,
+                "private_names": self.private_names, "total_weight": self.total_weight,
+                "count": self.count, "unclipped": self.unclipped}
+
+    @classmethod
+    def resume(cls, reference: Mapping[str, Tensor], sums: Mapping[str, Tensor], meta: Mapping[str, Any],
+               rng: np.random.Generator) -> DPFedAvg:
+        """The rule as `sums()` and `meta()` left it (the coordinator's restart)."""
+        rule = cls(reference, clip_norm=meta["clip_norm"], noise_multiplier=meta["noise_multiplier"],
+                   expected_weight=meta["expected_weight"], rng=rng, sample_cap=meta["sample_cap"],
+                   private_names=meta["private_names"])
+        count, unclipped = int(meta["count"]), int(meta["unclipped"])
+        if set(sums) != (set(rule.private_names) if count else set()) or not 0 <= unclipped <= count:
+            raise ValueError("resumed DP sums must name exactly the private tensors, with 0 <= unclipped <= count")
+        for name, value in sums.items():
+            if tuple(value.shape) != rule._shapes[name] or str(value.dtype) not in ("float64", "torch.float64"):
+                raise ValueError(f"resumed DP sum {name!r} must be float64 of shape {rule._shapes[name]}")
+        rule._sum = {name: value.copy() if isinstance(value, np.ndarray) else value.clone()
+                     for name, value in sums.items()}
+        rule.total_weight, rule.count, rule.unclipped = float(meta["total_weight"]), count, unclipped
+        return rule
+
+
+def expected_weight(sample_counts: Iterable[float], sampling_rate: float, sample_cap: float | None = None) -> float:
+    """DP-FedAvg's fixed denominator q * Σ_k w_k over the N registered devices (w_k = min(n_k / cap, 1))."""
+    weights = [1.0 if sample_cap is None else min(float(n) / sample_cap, 1.0) for n in sample_counts]
+    return _positive("sampling_rate", sampling_rate) * sum(weights)
+
+
+# ---------------------------------------------------------------- adaptive clipping
+
+
+@dataclass
+class AdaptiveClipping:
+    """Geometric update of the clip norm toward the `target_quantile` of the update norms (Andrew et al.,
+    NeurIPS 2021, Algorithm 1): C <- C * exp(-learning_rate * (b - target_quantile)), b the fraction of
+    unclipped updates, counted with N(0, count_noise_std^2) noise and divided by the expected number of
+    devices. That count is a second query on the devices' data; `update_noise_multiplier` splits a total
+    noise multiplier z between the two so that the accountant's z stays the whole cost. The paper's
+    defaults: learning_rate 0.2, target_quantile 0.5, count_noise_std = expected devices / 20."""
+
+    clip_norm: float
+    target_quantile: float = 0.5
+    learning_rate: float = 0.2
+    count_noise_std: float = 1.0
+
+    def __post_init__(self) -> None:
+        _positive("clip_norm", self.clip_norm)
+        _positive("count_noise_std", self.count_noise_std)
+        if not (0 <= self.target_quantile <= 1 and math.isfinite(self.learning_rate) and self.learning_rate >= 0):
+            raise ValueError(f"need 0 <= target_quantile <= 1 and learning_rate >= 0, got "
+                             f"{self.target_quantile}, {self.learning_rate}")
+
+    def update_noise_multiplier(self, noise_multiplier: float) -> float:
+        """z_update = (z^-2 - (2 count_noise_std)^-2)^-1/2: the updates' share of a total z (the centred
+        count's sensitivity is 1/2). Needs count_noise_std > z / 2, or the count alone would spend more than
+        the whole budget."""
+        if noise_multiplier == 0:
+            return 0.0
+        rest = noise_multiplier ** -2 - (2 * self.count_noise_std) ** -2
+        if rest <= 0:
+            raise ValueError(f"count_noise_std {self.count_noise_std} must exceed noise_multiplier / 2 "
+                             f"({noise_multiplier / 2}) for the updates to keep any budget")
+        return rest ** -0.5
+
+    def step(self, unclipped: int, expected_devices: float, rng: np.random.Generator) -> float:
+        """Move the clip norm after a round in which `unclipped` updates were within it; returns the new one."""
+        noisy_fraction = (unclipped + rng.normal(0.0, self.count_noise_std)) / _positive("expected_devices",
+                                                                                         expected_devices)
+        self.clip_norm *= math.exp(-self.learning_rate * (noisy_fraction - self.target_quantile))
+        return self.clip_norm
+
+    def to_json(self) -> str:
+        return json.dumps({"clip_norm": self.clip_norm, "target_quantile": self.target_quantile,
+                           "learning_rate": self.learning_rate, "count_noise_std": self.count_noise_std})
+
+    @classmethod
+    def from_json(cls, text: str) -> AdaptiveClipping:
+        body = json.loads(text)
+        return cls(**{key: float(body[key]) for key in ("clip_norm", "target_quantile", "learning_rate",
+                                                         "count_noise_std")})
+
+
+# ---------------------------------------------------------------- accounting
+
+
+def dp_event(history: Sequence[tuple[int, float, float]]) -> Any:
+    """The dp-accounting event of a run: per (rounds, q, z) segment, `rounds` compositions of the
+    Poisson-subsampled Gaussian mechanism with sampling rate q and noise multiplier z."""
+    import dp_accounting
+
+    return dp_accounting.ComposedDpEvent([
+        dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), rounds)
+        for rounds, q, z in history
+    ])
+
+
+def _epsilon(history: Sequence[tuple[int, float, float]], delta: float, accounting: Accounting) -> float:
+    try:
+        from dp_accounting import pld, rdp
+    except ImportError as exc:
+        raise ImportError("privacy accounting needs dp-accounting: pip install 'fedper-edge[privacy]'") from exc
+    if not history:
+        return 0.0
+    if any(z == 0 and q > 0 for _, q, z in history):
+        return math.inf
+    accountant = rdp.RdpAccountant() if accounting == "rdp" else pld.PLDAccountant()
+    accountant.compose(dp_event(history))
+    return float(accountant.get_epsilon(delta))
+
+
+@dataclass
+class PrivacyAccountant:
+    """The privacy a run has spent: epsilon at `delta` after its rounds, each the Poisson-subsampled
+    Gaussian mechanism with sampling rate q = M / N (M the devices invited, over-selection included: a
+    device dropping out for reasons of its own only lowers the real rate) and noise multiplier z.
+
+    `accounting` "rdp" (Rényi DP, Mironov 2017, as TF Privacy and the DP-FedAvg paper) is fast whatever the
+    number of rounds; "pld" (privacy loss distributions) is tighter and slower. The state is the (rounds,
+    q, z) history and delta, JSON through `to_json`/`from_json` (the coordinator's checkpoint)."""
+
+    delta: float
+    accounting: Accounting = "rdp"
+    history: list[tuple[int, float, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.delta < 1:
+            raise ValueError(f"delta must be in (0, 1), got {self.delta}")
+        if self.accounting not in ("rdp", "pld"):
+            raise ValueError(f"accounting must be 'rdp' or 'pld', got {self.accounting!r}")
+        self.history = [_segment(*entry) for entry in self.history]
+
+    @property
+    def rounds(self) -> int:
+        return sum(rounds for rounds, _, _ in self.history)
+
+    def record(self, sampling_rate: float, noise_multiplier: float, rounds: int = 1) -> None:
+        """Count `rounds` more released rounds (a run of equal (q, z) is one segment)."""
+        rounds, q, z = _segment(rounds, sampling_rate, noise_multiplier)
+        if self.history and self.history[-1][1:] == (q, z):
+            self.history[-1] = (self.history[-1][0] + rounds, q, z)
+        else:
+            self.history.append((rounds, q, z))
+
+    def epsilon(self) -> float:
+        """Epsilon at `delta` after the recorded rounds (0 before any, inf if a round had no noise)."""
+        return _epsilon(self.history, self.delta, self.accounting)
+
+    def projected_epsilon(self, sampling_rate: float, noise_multiplier: float, rounds: int = 1) -> float:
+        """Epsilon after `rounds` more (q, z) rounds, without recording them: ask before running a round."""
+        return _epsilon([*self.history, _segment(rounds, sampling_rate, noise_multiplier)], self.delta,
+                        self.accounting)
+
+    def to_json(self) -> str:
+        return json.dumps({"delta": self.delta, "accounting": self.accounting,
+                           "history": [list(entry) for entry in self.history]})
+
+    @classmethod
+    def from_json(cls, text: str) -> PrivacyAccountant:
+        body = json.loads(text)
+        return cls(delta=float(body["delta"]), accounting=body["accounting"],
+                   history=[tuple(entry) for entry in body["history"]])
+
+
+def _segment(rounds: int, sampling_rate: float, noise_multiplier: float) -> tuple[int, float, float]:
+    """A validated (rounds, q, z)."""
+    if isinstance(rounds, bool) or int(rounds) != rounds or rounds < 1:
+        raise ValueError(f"rounds must be a positive integer, got {rounds}")
+    q, z = float(sampling_rate), float(noise_multiplier)
+    if not 0 < q <= 1:
+        raise ValueError(f"sampling rate must be in (0, 1], got {q}")
+    if not (math.isfinite(z) and z >= 0):
+        raise ValueError(f"noise multiplier must be >= 0 and finite, got {z}")
+    return int(rounds), q, z
+
+
+def budget_action(epsilon: float, target_epsilon: float | None, on_exceed: Literal["stop", "warn"]) -> BudgetAction:
+    """What a run does with `epsilon` spent (or projected) against its budget: "continue" within it (or with
+    no budget), otherwise `on_exceed` ("stop": release no further round; "warn": log and go on)."""
+    if on_exceed not in ("stop", "warn"):
+        raise ValueError(f"on_exceed must be 'stop' or 'warn', got {on_exceed!r}")
+    if target_epsilon is None or epsilon <= target_epsilon:
+        return "continue"
+    return on_exceed
