@@ -170,7 +170,7 @@ class DPFedAvg:
                 self._sum[name] = delta
         self.total_weight += weight
         self.count += 1
-        self.unclipped += norm <= self.clip_norm
+        self.unclipped += int(norm <= self.clip_norm)
         return norm
 
     @property

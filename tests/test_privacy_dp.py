@@ -12,6 +12,7 @@ import torch
 from dp_accounting import rdp
 
 from fedper.aggregation import WeightedMean
+from fedper.models import build_model, describe, exported_state
 from fedper.privacy import (
     AdaptiveClipping,
     DPFedAvg,
@@ -21,6 +22,7 @@ from fedper.privacy import (
     delta_norm,
     dp_event,
     expected_weight,
+    private_tensor_names,
     round_generator,
 )
 
@@ -116,6 +118,27 @@ def test_batchnorm_statistics_are_not_aggregated_nor_clipped() -> None:
     released = dp.result()
     np.testing.assert_array_equal(released["bn.running_var"], reference["bn.running_var"])
     np.testing.assert_array_equal(released["fc.weight"], update["fc.weight"])
+
+
+def test_private_tensors_of_a_real_fedper_model_are_the_trainable_base() -> None:
+    """MobileNet-v1 with K_P=2: DP covers the base's parameters; the head is never shared and the base's
+    BatchNorm statistics are shared but left out (released as the round model's)."""
+    net = build_model("mobilenet_v1", num_classes=4, width=0.25)
+    manifest = describe(net, architecture="mobilenet_v1", kp=2, algorithm="fedper", input_size=32)
+    private = private_tensor_names(manifest)
+    shared = manifest.names(shared=True)
+    assert private and set(private) < set(shared)
+    assert not set(private) & set(manifest.names("head"))
+    left_out = set(shared) - set(private)
+    assert left_out and all(name.endswith(("running_mean", "running_var")) for name in left_out)
+    reference = {name: value.numpy() for name, value in exported_state(net).items() if name in shared}
+    update = {name: value + np.float32(0.01) for name, value in reference.items()}
+    dp = rule(reference, clip=0.5, z=1.0, m=1.0, private_names=private)
+    dp.add(update, 8)
+    released = dp.result()
+    for name in left_out:
+        np.testing.assert_array_equal(released[name], reference[name])
+    assert not np.array_equal(released[private[0]], reference[private[0]])
 
 
 def test_one_device_moves_the_mean_by_at_most_c_over_m_whatever_its_claim() -> None:
