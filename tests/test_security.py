@@ -89,7 +89,7 @@ def test_a_device_cannot_forge_registrations_presence_or_coordinator_messages(ac
     leaked = [(t, p[:40]) for t, p in seen for ft, fp in forgeries if (t, p) == (ft, fp)]
     assert leaked == [], leaked
     assert not any("dev-c" in t for t, _ in seen)
-    assert set(coordinator.registered) == {"dev-a", "dev-b"} and coordinator.registered["dev-b"]["n_samples"] == 30
+    assert set(coordinator.registered) == {"dev-a", "dev-b"} and coordinator.registered["dev-b"].n_samples == 30
     assert coordinator.online == {"dev-a", "dev-b"}  # the forged "offline" never arrived
     assert sorted(victim.rounds) == sorted(attacker.rounds) == ["final", "r1"]  # no "evil" round reached anyone
     assert victim.errors == [] and attacker.errors == []
