@@ -366,6 +366,19 @@ class PrivacyAccountant:
                    history=[tuple(entry) for entry in body["history"]])
 
 
+def noise_multiplier_for(target_epsilon: float, delta: float, sampling_rate: float, rounds: int,
+                         accounting: Accounting = "rdp") -> float:
+    """The smallest noise multiplier z whose `rounds` (q, z) rounds spend at most `target_epsilon` at `delta`
+    (dp-accounting's calibration, to 1e-3 in z): plan a run from its budget instead of guessing z."""
+    from dp_accounting import mechanism_calibration, pld, rdp
+
+    rounds, q, _ = _segment(rounds, sampling_rate, 1.0)
+    fresh = rdp.RdpAccountant if accounting == "rdp" else pld.PLDAccountant
+    z = mechanism_calibration.calibrate_dp_mechanism(
+        fresh, lambda z: dp_event([(rounds, q, z)]), _positive("target_epsilon", target_epsilon), delta, tol=1e-3)
+    return float(z)
+
+
 def _segment(rounds: int, sampling_rate: float, noise_multiplier: float) -> tuple[int, float, float]:
     """A validated (rounds, q, z)."""
     if isinstance(rounds, bool) or int(rounds) != rounds or rounds < 1:

@@ -22,6 +22,7 @@ from fedper.privacy import (
     delta_norm,
     dp_event,
     expected_weight,
+    noise_multiplier_for,
     private_tensor_names,
     round_generator,
 )
@@ -274,6 +275,12 @@ def test_epsilon_grows_with_rounds_and_falls_with_noise() -> None:
     assert by_noise == sorted(by_noise, reverse=True) and len(set(by_noise)) == 4
     assert PrivacyAccountant(1e-5).epsilon() == 0.0
     assert PrivacyAccountant(1e-5, history=[(1, 0.1, 0.0)]).epsilon() == math.inf
+
+
+def test_noise_multiplier_for_a_budget_meets_it_and_no_less_would() -> None:
+    z = noise_multiplier_for(2.0, 1e-5, 0.02, 200)
+    assert PrivacyAccountant(1e-5, history=[(200, 0.02, z)]).epsilon() <= 2.0
+    assert PrivacyAccountant(1e-5, history=[(200, 0.02, z - 0.01)]).epsilon() > 2.0
 
 
 def test_accountant_state_round_trips_through_json() -> None:
