@@ -21,8 +21,9 @@ Per round k (RoundInfo `open` for a round this device has not answered):
 
 A kill at any point is survived: after a restart the head comes back from the state dir; if the
 open round is the one last saved, the saved update is sent again (the coordinator answers a
-duplicate with `duplicate_update`, harmless); otherwise the device trains on the open round,
-which also catches up after missed rounds.
+duplicate with `duplicate_update`, harmless), as it is whenever that round's RoundInfo is
+re-published (v1 acknowledges no update); otherwise the device trains on the open round, which
+also catches up after missed rounds.
 
 What reaches the device is checked as the coordinator checks what reaches it: a RoundInfo for
 another export, an impossible round, an oversized model or a round this device already passed,
@@ -205,13 +206,10 @@ class Agent:
         return [(t.round, 1), (f"{t.base}/model/#", 1), (t.error(self.config.client_id), 1)]
 
     def connected(self) -> list[Outgoing]:
-        """Say we are online and (re-)register, on every connect, as docs/protocol.md asks."""
+        """Say we are online and (re-)register, on every connect, as docs/protocol.md asks. The
+        subscription then delivers the retained RoundInfo, which resends an unacknowledged update."""
         self.log("connected")
-        # No update is acknowledged in v1: one sent just before a broker outage may be lost with the
-        # broker's state, so the saved update is sent again when the open round is seen again (the
-        # coordinator answers duplicate_update if it had it).
-        self._sent_round = None
-        return self._announce() + self._progress()
+        return self._announce()
 
     def handle(self, topic: str, payload: bytes) -> list[Outgoing]:
         """One message from the broker; what to publish in answer. AgentError when the agent cannot go on."""
@@ -239,6 +237,10 @@ class Agent:
             self.log(f"ignored RoundInfo of round {info.round} ({info.state}): {problem}")
             return []
         self._round = info
+        # No update is acknowledged in v1: one sent while the coordinator or the broker was away may be
+        # lost, so the saved update goes again whenever its round's RoundInfo is (re)published (after a
+        # reconnect, a restart or an extension); the coordinator answers duplicate_update if it had it.
+        self._sent_round = None
         return self._progress()
 
     def _round_info_problem(self, info: RoundInfo) -> str | None:
@@ -310,8 +312,8 @@ class Agent:
             self._finish(info, model)
             return []
         if answered:
-            self.log(f"round {info.round}: already trained (before a restart or a reconnect), sending the saved "
-                     "update again")
+            self.log(f"round {info.round}: already trained (before a restart, a reconnect or the round's "
+                     "re-publication), sending the saved update again")
         else:
             self.backend.load(model)
             self.saved = self.train_round(info.round)
