@@ -17,8 +17,8 @@ from pathlib import Path
 
 from common import machine
 
-MODULES = ("device_training", "depthwise_graph", "coordinator", "wire", "round_latency", "emulator",
-           "export_table")
+MODULES = ("device_training", "device_contention", "depthwise_graph", "coordinator", "wire", "round_latency",
+           "emulator", "export_table")
 
 
 def main() -> None:
