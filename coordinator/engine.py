@@ -28,10 +28,12 @@ from fedper.coordinator.quota import BURST_SECONDS, MessageRateLimit
 from fedper.coordinator.store import FINAL_FILE, CheckpointError, Store
 from fedper.manifest import Manifest
 from fedper.payload import decode_shared, encode_shared, max_blob_size
+from fedper.selection import invitations, select
 from fedper.wire import (
     DEFAULT_CHUNK_SIZE,
     MAX_ERROR_TEXT,
     ErrorMessage,
+    Invitation,
     Reassembler,
     Register,
     RoundInfo,
@@ -80,7 +82,10 @@ class Config:
     max_upload_bytes_per_device: int | None = None  # bytes held in them; None: two blobs of the model
     max_reassembly_bytes: int | None = None  # all devices' partial blobs; None: DEFAULT_REASSEMBLY_BYTES
     max_messages_per_second: float = 1000.0  # per device (coordinator/quota.py); more are dropped unread
-    state_interval: float = 0.5  # at most one state message per this many seconds, when something changed
+    state_interval: float = 0.5  # at most one state message (and one invitation top-up) per this many seconds
+    clients_per_round: int | None = None  # M: a round closes at M accepted updates; None: every registered device
+    over_select: float = 1.0  # F: a round invites ceil(F * M) devices, to absorb those that drop out
+    selection_seed: int = 0  # the seed of fedper.selection's ranking
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,9 @@ class _Round:
     bytes_received: int = 0
     extensions: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
+    selected: bool = False  # with --clients-per-round: its opening selection is made (and checkpointed)
+    invited: set[str] = field(default_factory=set)  # the devices it invited, the opening selection and top-ups
+    invite_cap: int = 0  # invitations it may make: ceil(F * M), raised at an extension to replace dropouts
 
 
 class Coordinator:
@@ -126,6 +134,12 @@ class Coordinator:
             raise ValueError(f"unknown aggregator {config.aggregator!r}; choose one of {', '.join(AGGREGATORS)}")
         if config.rounds < 1 or config.min_clients < 1:
             raise ValueError("rounds and min_clients must be >= 1")
+        self.selecting = config.clients_per_round is not None  # else every registered device takes part
+        if config.clients_per_round is not None:
+            self._invitations = invitations(config.clients_per_round, config.over_select)
+            if config.min_clients > config.clients_per_round:
+                raise ValueError(f"--min-clients {config.min_clients} is above --clients-per-round "
+                                 f"{config.clients_per_round}: a round closes at --clients-per-round updates")
         self.manifest, self.topics, self.config, self.store = manifest, topics, config, store
         self.digest = manifest.base_digest
         self.model = decode_shared(manifest, encode_shared(manifest, initial))  # validated copy
@@ -147,6 +161,7 @@ class Coordinator:
         self._last_state = -1e18
         self._registry_dirty = False  # a registration changed since the last checkpoint
         self._last_registry_commit = -1e18
+        self._last_top_up = -1e18
         self._files = _Files()
         saved = store.load_state()
         if saved is not None:
@@ -156,8 +171,13 @@ class Coordinator:
 
     def start(self, now: float) -> list[Outgoing]:
         """Open the current round (round 1 on a fresh state directory) and announce it."""
-        if not self._files.model:
+        fresh = not self._files.model
+        if fresh:
             self._files.model = self.store.write_tensors("model-r1.safetensors", self.model)
+        selecting = self.selecting and not self.finished and not self.round.selected
+        if selecting:
+            self._select()
+        if fresh or selecting:
             self._commit()
         self._opened_at = now
         self._deadline = now + self.config.round_timeout
@@ -176,6 +196,10 @@ class Coordinator:
         r = saved["round"]
         folded = {device: Folded(**entry) for device, entry in r["folded"].items()}
         self.round = _Round(r["number"], folded, r["bytes_received"], r["extensions"], Counter(r["rejected"]))
+        if self.selecting and "selection" in r:  # the open round keeps its invitations, whatever the seed is now
+            self.round.selected = True
+            self.round.invited = set(r["selection"]["invited"])
+            self.round.invite_cap = r["selection"]["invite_cap"]
         if saved.get("partial"):
             self._files.partial = saved["partial"]
             blobs = saved.get("updates", {})  # the partial sum holds the folded updates not kept as blobs
@@ -192,7 +216,8 @@ class Coordinator:
 
     def announce(self, now: float) -> list[Outgoing]:
         """Everything a device needs to join now (also after a broker restart lost retained messages)."""
-        return [*self._model_messages(), self._round_message(), self.state_message(now)]
+        invitations = [self._invitation(device) for device in sorted(self.round.invited)]
+        return [*self._model_messages(), self._round_message(), *invitations, self.state_message(now)]
 
     # ------------------------------------------------------------ input
 
@@ -225,16 +250,22 @@ class Coordinator:
         if not self.finished:
             done = len(self.round.folded)
             everyone = self.registered.keys() <= self.round.folded.keys()
-            if done >= self.config.min_clients and (everyone or now >= self._deadline):
+            complete = everyone or (self.selecting and done >= (self.config.clients_per_round or 0))
+            if done >= self.config.min_clients and (complete or now >= self._deadline):
                 out += self._close_round(now)
             elif now >= self._deadline:
                 self.round.extensions += 1
+                if self.selecting:
+                    self._replace_dropouts()
                 self._deadline = now + self.config.round_timeout
                 log.warning("round %d: deadline passed with %d/%d update(s), fewer than --min-clients %d: "
                             "waiting %.1f s more (extension %d)", self.round.number, done, len(self.registered),
                             self.config.min_clients, self.config.round_timeout, self.round.extensions)
                 out.append(self._round_message())
                 self._state_dirty = True
+        if self.selecting and not self.finished and now - self._last_top_up >= self.config.state_interval:
+            self._last_top_up = now  # devices that come online within one interval are ranked together
+            out += self._top_up()
         if self._registry_dirty and now - self._last_registry_commit >= self.config.state_interval:
             self._last_registry_commit = now  # registrations are checkpointed at this pace, however often they
             self._commit()  # change: a device re-registering in a loop must not buy an fsync per message
@@ -286,6 +317,9 @@ class Coordinator:
             meta = decode_update_meta(chunk.meta)  # every field checked: types, ranges, metrics' names and values
             if meta.round != self.round.number:
                 raise WireError("late_update", f"update for round {meta.round}, but round {self.round.number} is open")
+            if self.selecting and device not in self.round.invited:  # before reassembly: it costs no memory
+                raise WireError("not_invited", f"{device} is not invited to round {meta.round}: wait for an "
+                                f"invitation on {self.topics.invite(device)}")
             if device in self.round.folded:
                 raise WireError("duplicate_update", f"round {meta.round} update already accepted from {device}")
             if meta.base_digest != self.digest:
@@ -330,7 +364,7 @@ class Coordinator:
         self._commit()
         self.fold_seconds += time.perf_counter() - started
         log.debug("round %d: accepted %s (%d samples, accuracy %s) [%d/%d]", k, device, n_samples,
-                 metrics.get("accuracy", "n/a"), len(self.round.folded), len(self.registered))
+                 metrics.get("accuracy", "n/a"), len(self.round.folded), self.invited_count)
 
     def _prepared(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Clipped (with --clip-norm) against the round's base."""
@@ -390,6 +424,44 @@ class Coordinator:
             refused.clear()
         refused.add(blob_id)
 
+    # ------------------------------------------------------------ selection (--clients-per-round)
+
+    def _select(self) -> None:
+        """The opening selection of the (new) open round, among the devices registered and online now; the
+        caller checkpoints it. Fewer than ceil(F * M) of them: _top_up invites more as they come online."""
+        r = self.round
+        r.selected, r.invite_cap = True, self._invitations
+        r.invited = set(select(self._eligible(), r.invite_cap, seed=self.config.selection_seed, round_=r.number))
+        log.info("round %d: invited %d of %d device(s) online", r.number, len(r.invited), len(self.online))
+
+    def _eligible(self) -> set[str]:
+        return self.online & self.registered.keys()
+
+    def _top_up(self) -> list[Outgoing]:
+        """Invite eligible devices not invited yet, next in the seeded ranking, while the round has room;
+        checkpointed before the invitations go out, so a restart re-sends the same ones."""
+        r = self.round
+        room = r.invite_cap - len(r.invited)
+        if room <= 0:
+            return []
+        chosen = select(self._eligible() - r.invited, room, seed=self.config.selection_seed, round_=r.number)
+        if not chosen:
+            return []
+        r.invited.update(chosen)
+        self._commit()
+        log.info("round %d: invited %d more device(s) that came online [%d/%d]", r.number, len(chosen),
+                 len(r.invited), r.invite_cap)
+        return [self._invitation(device) for device in chosen]
+
+    def _replace_dropouts(self) -> None:
+        """At an extension (the deadline passed below --min-clients): make room for as many new invitations
+        as invited devices went offline without answering, so the round still has ceil(F * M) that may answer.
+        A dropout stays invited: its update is accepted if it comes back."""
+        r = self.round
+        live = len(r.invited & (r.folded.keys() | self.online))
+        r.invite_cap = max(r.invite_cap, len(r.invited) + self._invitations - live)
+        self._last_top_up = -1e18  # top up at once
+
     # ------------------------------------------------------------ rounds
 
     def _close_round(self, now: float) -> list[Outgoing]:
@@ -401,6 +473,8 @@ class Coordinator:
         record = self._metrics(closed, now, aggregate_s)
         self.finished = closed.number >= self.config.rounds
         self.round = _Round(closed.number if self.finished else closed.number + 1)
+        if self.selecting and not self.finished:
+            self._select()
         self._aggregator = AGGREGATORS[self.config.aggregator]()
         self._reassembler.discard()
         self._rejected.clear()
@@ -414,7 +488,9 @@ class Coordinator:
                  record["accuracy_std"] or 0.0, record["bytes_received"] / 1024)
         self._opened_at, self._deadline, self._broadcast_s = now, now + self.config.round_timeout, 0.0
         self._model_blob = None
-        return self.announce(now)
+        stale = sorted(closed.invited - self.round.invited)  # retained invitations of the closed round
+        cleared = [Outgoing(self.topics.invite(device), b"", retain=True) for device in stale]
+        return cleared + self.announce(now)
 
     def _metrics(self, closed: _Round, now: float, aggregate_s: float) -> dict[str, Any]:
         accuracies = [f.metrics["accuracy"] for f in closed.folded.values() if "accuracy" in f.metrics]
@@ -433,15 +509,18 @@ class Coordinator:
             "deadline_extensions": closed.extensions,
             "rejected": dict(closed.rejected),
             "time": now,
+            **({"invited": len(closed.invited)} if self.selecting else {}),
         }
 
     def _commit(self) -> None:
         self._registry_dirty = False
         r = self.round
+        selection = {"selection": {"seed": self.config.selection_seed, "invite_cap": r.invite_cap,
+                                   "invited": sorted(r.invited)}} if r.selected else {}
         self.store.commit({
             "round": {"number": r.number, "folded": {d: asdict(f) for d, f in r.folded.items()},
                       "bytes_received": r.bytes_received,
-                      "extensions": r.extensions, "rejected": dict(r.rejected)},
+                      "extensions": r.extensions, "rejected": dict(r.rejected), **selection},
             "model": self._files.model,
             "partial": self._files.partial,
             "updates": self._files.updates,
@@ -479,8 +558,17 @@ class Coordinator:
             round=self.round.number, rounds=self.config.rounds, state="finished" if self.finished else "open",
             deadline=self._deadline, blob_id=str(blob_id), size=len(blob), sha256=hashlib.sha256(blob).hexdigest(),
             count=len(frames), base_digest=self.digest,
+            **({"selection": "invited", "next_selection_at": self._deadline} if self.round.selected else {}),
         )
         return Outgoing(self.topics.round, info.encode(), retain=True)
+
+    def _invitation(self, device: str) -> Outgoing:
+        return Outgoing(self.topics.invite(device), Invitation(self.round.number).encode(), retain=True)
+
+    @property
+    def invited_count(self) -> int:
+        """The devices the open round takes updates from: its invitations, or every registered device."""
+        return len(self.round.invited) if self.selecting else len(self.registered)
 
     def state(self, now: float) -> dict[str, Any]:
         return {
@@ -488,6 +576,8 @@ class Coordinator:
             "rounds": self.config.rounds, "deadline": self._deadline, "registered": len(self.registered),
             "online": len(self.online), "accepted_this_round": len(self.round.folded),
             "min_clients": self.config.min_clients, "counters": dict(self.counters), "time": now,
+            **({"invited": len(self.round.invited), "clients_per_round": self.config.clients_per_round}
+               if self.selecting else {}),
         }
 
     def state_message(self, now: float) -> Outgoing:

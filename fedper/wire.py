@@ -42,6 +42,7 @@ ERROR_CODES = (
     "internal_error",  # the coordinator failed on the message (a bug): refused, answered, logged once
     "over_quota",  # the chunk would pass the sender's or the coordinator's reassembly quota (Reassembler)
     "rate_limited",  # the sender's messages were dropped unread: above its message rate (coordinator/quota.py)
+    "not_invited",  # an update from a device the open round did not invite (--clients-per-round): not reassembled
 )
 
 
@@ -86,6 +87,9 @@ class Topics:
 
     def error(self, device: str) -> str:
         return f"{self.base}/error/{check_name(device, 'device')}"
+
+    def invite(self, device: str) -> str:
+        return f"{self.base}/invite/{check_name(device, 'device')}"
 
     def model(self, blob_id: str, index: int) -> str:
         return f"{self.base}/model/{check_name(blob_id, 'blob_id')}/{index}"
@@ -212,14 +216,14 @@ def _number(name: str, value: Any, limit: float = math.inf) -> float:
 def _typed(name: str, value: Any, f: Field[Any]) -> Any:
     """`value` checked against field `f`'s annotation and metadata (bounded())."""
     annotation = str(f.type)
-    if annotation == "int | None" and value is None:
+    if annotation in ("int | None", "float | None") and value is None:
         return None
     if annotation in ("int", "int | None"):
         low, high = f.metadata.get("range", (0, MAX_JSON_INT))
         if not _is_int(value) or not low <= value <= high:
             raise WireError("bad_message", f"{name} must be an integer in {low}..{high}, got {_shown(value)}")
         return value
-    if annotation == "float":
+    if annotation in ("float", "float | None"):
         return _number(name, value)
     if annotation == "str":
         max_length = f.metadata.get("max_length", MAX_TEXT)
@@ -268,6 +272,27 @@ class RoundInfo(Message):
     sha256: str = field(metadata={"pattern": _SHA256_HEX})
     count: int = field(metadata=bounded(1))
     base_digest: str
+    selection: str = field(default="all", metadata={"choices": ("all", "invited")})  # "all": every registered
+    # device takes part; "invited": only those invited on .../invite/<device> for this round
+    next_selection_at: float | None = None  # unix seconds: when the next round's invitations are made, at the latest
+    _optional: ClassVar[frozenset[str]] = frozenset({"selection", "next_selection_at"})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Optional fields at their default are not sent: with every device taking part, RoundInfo is what it
+        was before selection existed."""
+        body = super().to_dict()
+        for name, default in (("selection", "all"), ("next_selection_at", None)):
+            if body[name] == default:
+                del body[name]
+        return body
+
+
+@dataclass(frozen=True)
+class Invitation(Message):
+    """coordinator -> one device on .../invite/<device> (retained, QoS 1; cleared when its round closes):
+    take part in `round` (its deadline and model are in RoundInfo). Its size does not depend on the fleet's."""
+
+    round: int = field(metadata=bounded(1))
 
 
 @dataclass(frozen=True)

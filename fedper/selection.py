@@ -1,0 +1,42 @@
+"""Which devices a round invites: a seeded, stateless rule shared by the coordinator and the emulator.
+
+Each candidate gets a key, SHA-256 of (run seed, round, device id); a round invites the candidates
+with the smallest keys. Why a keyed hash rather than a random generator seeded per round:
+
+- a device's key depends on nothing but itself, so the rule is stable when the fleet changes: a
+  device joining or leaving moves others only if it ranks among the invited;
+- topping up a round (devices that come online after it opened) takes the next keys in the same
+  ranking, so "select k, then top up j" invites exactly what "select k + j" would have;
+- it needs no per-device randomness drawn in a fixed order (a generator's draw for a device would
+  depend on its position in the list), so any implementation, in any language, reproduces it from
+  the ids alone. `heapq.nsmallest` keeps it O(N log k).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import math
+from collections.abc import Iterable
+from fractions import Fraction
+
+DOMAIN = b"fedper-selection-v1"  # keys of this rule never collide with another use of SHA-256 on the same ids
+
+
+def invitations(clients_per_round: int, over_select: float) -> int:
+    """ceil(F * M), computed on the decimal F as written (1.1 * 100 is 110, not float's 110.00000000000001)."""
+    if clients_per_round < 1 or over_select < 1.0:
+        raise ValueError(f"clients per round must be >= 1 and over-selection >= 1.0, got {clients_per_round} "
+                         f"and {over_select}")
+    return math.ceil(Fraction(repr(float(over_select))) * clients_per_round)
+
+
+def selection_key(seed: int, round_: int, device: str) -> bytes:
+    """The device's rank in a round: smaller is invited first."""
+    return hashlib.sha256(b"\0".join((DOMAIN, str(seed).encode(), str(round_).encode(), device.encode()))).digest()
+
+
+def select(candidates: Iterable[str], k: int, *, seed: int, round_: int) -> list[str]:
+    """The k candidates (all, if fewer) with the smallest keys, in key order; ids are compared only to
+    break a tie between equal keys, which SHA-256 makes as good as impossible."""
+    return heapq.nsmallest(max(k, 0), set(candidates), key=lambda d: (selection_key(seed, round_, d), d))
