@@ -24,7 +24,14 @@ def run(
     fleet: str = typer.Option(..., help="Fleet name: topics live under fedper/v1/<fleet>/."),
     rounds: int = typer.Option(..., min=1, help="Number of rounds to run."),
     min_clients: int = typer.Option(1, min=1, help="Updates a round needs before its deadline may close it."),
-    round_timeout: float = typer.Option(60.0, min=0.1, help="Seconds a round waits for every registered device."),
+    round_timeout: float = typer.Option(60.0, min=0.1, help="Seconds a round waits for its devices."),
+    clients_per_round: int = typer.Option(
+        None, min=1, help="M: a round closes at M accepted updates (or at its deadline with --min-clients) and "
+                          "takes updates only from the devices it invited (default: every registered device)."),
+    over_select: float = typer.Option(
+        1.0, min=1.0, help="F: invite ceil(F * M) online devices per round, to absorb dropouts (with "
+                           "--clients-per-round)."),
+    selection_seed: int = typer.Option(0, min=0, help="Seed of the invitations' ranking (fedper/selection.py)."),
     state_dir: Path = typer.Option(..., help="Checkpoints, metrics.jsonl and final.safetensors; resumed from."),
     broker: str = typer.Option("", help="External broker URL, mqtt://host:1883 or mqtts://host:8883."),
     embedded_broker: bool = typer.Option(False, help="Run amqtt's broker in this process on 127.0.0.1:--port."),
@@ -84,7 +91,8 @@ def run(
                         max_samples_per_device=max_samples_per_device,
                         max_uploads_per_device=max_uploads_per_device,
                         max_upload_bytes_per_device=max_upload_bytes_per_device,
-                        max_reassembly_bytes=max_reassembly_bytes, max_messages_per_second=max_messages_per_second)
+                        max_reassembly_bytes=max_reassembly_bytes, max_messages_per_second=max_messages_per_second,
+                        clients_per_round=clients_per_round, over_select=over_select, selection_seed=selection_seed)
         coordinator = Coordinator(manifest, initial, Topics(fleet), config, Store(state_dir))
     except (ValueError, KeyError, OSError, ManifestError, WireError, CheckpointError) as e:
         typer.echo(f"fedper-coordinator: {e}", err=True)
@@ -158,7 +166,7 @@ def _serve(coordinator: Coordinator, url: BrokerUrl, protocol: str, username: st
             done = c.round.number - (0 if c.finished else 1)
             progress.update(rounds, completed=done, info=f"round {c.round.number}")
             rejected = sum(v for k, v in c.counters.items() if k != "accepted")
-            progress.update(updates, completed=len(c.round.folded), total=max(len(c.registered), 1),
+            progress.update(updates, completed=len(c.round.folded), total=max(c.invited_count, 1),
                             info=f"{len(c.registered)} registered, {len(c.online)} online, {rejected} rejected")
 
         run_service(coordinator, url, protocol=protocol, username=username, password=password, tls_ca=tls_ca,

@@ -1,0 +1,90 @@
+"""The seeded selection rule (fedper/selection.py) and the selection fields on the wire (docs/protocol.md 6.3, 6.8).
+
+Keys are recomputed here with hashlib from the rule as documented, so another implementation (the
+emulator's, a phone's) can check itself against the same statement.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+
+import pytest
+
+from fedper.selection import invitations, select, selection_key
+from fedper.wire import Invitation, RoundInfo, Topics, WireError
+
+DEVICES = [f"dev-{i:05d}" for i in range(1000)]
+
+
+def key_by_hand(seed: int, round_: int, device: str) -> bytes:
+    return hashlib.sha256(f"fedper-selection-v1\0{seed}\0{round_}\0{device}".encode()).digest()
+
+
+def test_a_round_invites_the_smallest_keys_recomputed_by_hand() -> None:
+    assert selection_key(7, 3, "dev-00001") == key_by_hand(7, 3, "dev-00001")
+    expected = sorted(DEVICES, key=lambda d: key_by_hand(7, 3, d))[:25]
+    assert select(DEVICES, 25, seed=7, round_=3) == expected
+    assert select(reversed(DEVICES), 25, seed=7, round_=3) == expected  # the candidates' order is irrelevant
+    assert select(DEVICES, 25, seed=8, round_=3) != expected and select(DEVICES, 25, seed=7, round_=4) != expected
+    assert select(DEVICES[:5], 25, seed=7, round_=3) == sorted(DEVICES[:5], key=lambda d: key_by_hand(7, 3, d))
+    assert select(DEVICES, 0, seed=7, round_=3) == []
+
+
+def test_selection_is_stable_when_devices_join_and_top_ups_follow_the_ranking() -> None:
+    before = select(DEVICES, 50, seed=1, round_=2)
+    after = select([*DEVICES, "newcomer"], 50, seed=1, round_=2)
+    assert len(set(before) - set(after)) <= 1  # the newcomer displaces at most the last one
+    first = select(DEVICES, 30, seed=1, round_=2)
+    topped = first + select(set(DEVICES) - set(first), 20, seed=1, round_=2)
+    assert topped == before  # select 30, then top up 20 == select 50
+
+
+def test_every_device_is_invited_about_its_share_of_rounds() -> None:
+    fleet = DEVICES[:100]
+    counts = Counter(d for r in range(1, 1001) for d in select(fleet, 10, seed=0, round_=r))
+    assert set(counts) == set(fleet)
+    assert min(counts.values()) >= 50 and max(counts.values()) <= 160  # expected 100 each (binomial sd ~9.5)
+
+
+@pytest.mark.parametrize("m, f, expected", [(100, 1.0, 100), (100, 1.1, 110), (100, 1.3, 130), (7, 1.5, 11),
+                                             (1, 1.01, 2), (10, 2.0, 20)])
+def test_invitations_are_ceil_f_m_of_the_decimal_f(m: int, f: float, expected: int) -> None:
+    assert invitations(m, f) == expected
+
+
+@pytest.mark.parametrize("m, f", [(0, 1.0), (10, 0.9)])
+def test_invitations_refuse_fewer_than_m(m: int, f: float) -> None:
+    with pytest.raises(ValueError):
+        invitations(m, f)
+
+
+def round_body(**more: object) -> dict[str, object]:
+    return {"v": 1, "round": 2, "rounds": 5, "state": "open", "deadline": 100.5, "blob_id": "r2", "size": 10,
+            "sha256": "a" * 64, "count": 1, "base_digest": "sha256:x", **more}
+
+
+def test_round_info_selection_fields_are_optional_and_checked() -> None:
+    plain = RoundInfo.decode(json.dumps(round_body()).encode())  # a coordinator without selection
+    assert (plain.selection, plain.next_selection_at) == ("all", None)
+    assert "selection" not in json.loads(plain.encode()) and "next_selection_at" not in json.loads(plain.encode())
+    invited = RoundInfo.decode(json.dumps(round_body(selection="invited", next_selection_at=160.25)).encode())
+    assert (invited.selection, invited.next_selection_at) == ("invited", 160.25)
+    assert json.loads(invited.encode()) == round_body(selection="invited", next_selection_at=160.25)
+    for bad in ({"selection": "some"}, {"selection": 1}, {"next_selection_at": "soon"},
+                {"next_selection_at": 10**400}):
+        with pytest.raises(WireError) as refused:
+            RoundInfo.decode(json.dumps(round_body(**bad)).encode())
+        assert refused.value.code == "bad_message"
+
+
+def test_invitation_is_a_small_message_on_the_devices_own_topic() -> None:
+    assert Topics("lab").invite("dev-1") == "fedper/v1/lab/invite/dev-1"
+    with pytest.raises(WireError):
+        Topics("lab").invite("a/b")
+    assert Invitation.decode(b'{"v":1,"round":3,"extra":"ignored"}') == Invitation(3)
+    assert json.loads(Invitation(3).encode()) == {"v": 1, "round": 3}
+    for bad in (b'{"v":1,"round":0}', b'{"v":1}', b'{"v":2,"round":3}'):
+        with pytest.raises(WireError):
+            Invitation.decode(bad)
