@@ -5,7 +5,9 @@ up (the shared tensors through fedper.compression's codec, BatchNorm statistics 
 fedper.payload.encode_shared), both as safetensors blobs cut into protocol v1 chunk frames
 (fedper.wire.chunk, 63 KiB chunks); MQTT's own few bytes per publish are not counted. The
 accuracy cost: the emulator on digits (real images) with every client's shared tensors encoded
-and decoded as the wire does before aggregation, same seeds for every codec.
+and decoded as the wire does before aggregation, same seeds for every codec. The paired update
+error: every codec applied to the same updates of the fp32 runs, so codecs are compared on
+identical rounds (the --quick run measures only this, on one seed).
 
     python benchmarks/wire.py [--quick] [--out runs/bench]
 """
@@ -70,56 +72,19 @@ def update_error(previous: dict[str, np.ndarray], exact: dict[str, np.ndarray], 
     return float(np.sqrt(error / step))
 
 
-def accuracy_cost(rounds: int, seeds: tuple[int, ...]) -> list[dict[str, Any]]:
+def accuracy_cost(rounds: int, seeds: tuple[int, ...]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Per codec applied to every update, over several run seeds: the final mean client accuracy, and
     each round's update error (`update_error` of the n_j-weighted mean of what the clients sent
     against the mean of what they trained, trainable shared tensors). The control row multiplies every
     trainable value of every update by (1 + 2^-24 N(0, 1)): what float32 round-off alone does to
-    these runs, so a codec's cost can be told from run-to-run chaos."""
-    import torch
-
-    from fedper.aggregation import WeightedMean
-    from fedper.emulate.data import DataConfig, load_fleet_data
-    from fedper.emulate.fleet import Fleet, FleetConfig
-
-    class CompressedFleet(Fleet):
-        """A fleet whose clients send their shared tensors through a codec, as a device would."""
-
-        codec = "fp32"
-        update_errors: list[float]
-
-        def _train(self, state):  # the emulator's per-client hook: (shared, local) after local training
-            noise = np.random.default_rng([state.seed, state.round])
-            trainable = [n for n in self.shared_names if self.manifest.spec(n).trainable]
-            base = {n: v.cpu().numpy() for n, v in state.shared.items()}  # the round's model, as devices hold it
-            exact, coded = WeightedMean(), WeightedMean()
-            for j, (shared, local) in zip(self.members, super()._train(state), strict=True):
-                tensors = {n: v.cpu().numpy() for n, v in shared.items()}
-                if self.codec == JITTER:
-                    back = {n: (v * (1 + 2**-24 * noise.standard_normal(v.shape))).astype(v.dtype)
-                            if self.manifest.spec(n).trainable else v for n, v in tensors.items()}
-                else:
-                    blob = encode_shared(self.manifest, tensors, self.codec, base)
-                    back = decode_shared(self.manifest, blob, self.codec, base)
-                exact.add({n: tensors[n] for n in trainable}, self.data.n_train[j])
-                coded.add({n: back[n] for n in trainable}, self.data.n_train[j])
-                yield {n: torch.from_numpy(back[n]).to(v.device) for n, v in shared.items()}, local
-            previous = {n: base[n].astype(np.float64) for n in trainable}
-            self.update_errors.append(update_error(previous, exact.result(np.float64), coded.result(np.float64)))
-
-    rows = []
+    these runs, so a codec's cost can be told from run-to-run chaos. Also the paired update errors
+    (`paired_update_errors`) of the fp32 runs."""
+    rows, paired = [], {codec: [] for codec in PROBED}
     for codec in ("fp32", JITTER, *CODECS[1:]):
         finals, histories, errors = [], [], []
         for seed in seeds:
-            data = load_fleet_data(DataConfig(dataset="digits", clients=5, classes_per_client=4, input_size=16,
-                                              seed=seed))
-            config = FleetConfig(model="mobilenet_v1", width=0.25, algorithm="fedper", kp=2, local_epochs=1,
-                                 batch_size=32, lr=0.05, momentum=0.9, seed=seed, engine="sequential")
-            fleet = CompressedFleet(config, data)
-            fleet.codec, fleet.update_errors = codec, errors
-            state, history = fleet.init(), []
-            for _ in range(rounds):
-                state, metrics = fleet.run_round(state)
+            history = []
+            for metrics in run_fleet(seed, rounds, codec, errors, paired if codec == "fp32" else {}):
                 history.append(metrics["mean_accuracy"])
             finals.append(history[-1])
             histories.append(history)
@@ -131,13 +96,88 @@ def accuracy_cost(rounds: int, seeds: tuple[int, ...]) -> list[dict[str, Any]]:
     for row in rows:
         row["delta_vs_fp32"] = row["mean_accuracy"] - reference["mean_accuracy"]
         row["delta_per_seed"] = [a - b for a, b in zip(row["final_accuracy"], reference["final_accuracy"], strict=True)]
-    return rows
+    return rows, paired_rows(paired, rounds, seeds)
+
+
+PROBED = (JITTER, *CODECS[1:])  # what the paired measurement applies to each fp32 round's updates
+
+
+def paired_update_errors(rounds: int, seeds: tuple[int, ...]) -> list[dict[str, Any]]:
+    """Each codec's update error on the very updates of fp32 runs: one trajectory per seed, every
+    codec applied to each round's client updates, so the codecs differ only in their rounding."""
+    paired: dict[str, list[float]] = {codec: [] for codec in PROBED}
+    for seed in seeds:
+        for _ in run_fleet(seed, rounds, "fp32", [], paired):
+            pass
+    return paired_rows(paired, rounds, seeds)
+
+
+def paired_rows(paired: dict[str, list[float]], rounds: int, seeds: tuple[int, ...]) -> list[dict[str, Any]]:
+    return [{"codec": codec, "rounds": rounds, "seeds": list(seeds), "update_errors": errors,
+             "update_error_median": float(np.median(errors)), "update_error_p90": float(np.percentile(errors, 90))}
+            for codec, errors in paired.items()]
+
+
+def run_fleet(seed: int, rounds: int, codec: str, errors: list[float],
+              paired: dict[str, list[float]]) -> Any:
+    """The emulator run of the accuracy setup, its clients sending through `codec`: each round's
+    metrics in turn; each round's update error appended to `errors`, and to `paired[c]` that of
+    codec c applied to the same updates."""
+    import torch
+
+    from fedper.aggregation import WeightedMean
+    from fedper.emulate.data import DataConfig, load_fleet_data
+    from fedper.emulate.fleet import Fleet, FleetConfig
+
+    def through(manifest, codec: str, tensors, base, noise) -> dict[str, np.ndarray]:
+        """The tensors as the coordinator gets them from a device sending through `codec`."""
+        if codec == JITTER:
+            return {n: (v * (1 + 2**-24 * noise.standard_normal(v.shape))).astype(v.dtype)
+                    if manifest.spec(n).trainable else v for n, v in tensors.items()}
+        return decode_shared(manifest, encode_shared(manifest, tensors, codec, base), codec, base)
+
+    class CompressedFleet(Fleet):
+        """A fleet whose clients send their shared tensors through a codec, as a device would."""
+
+        def _train(self, state):  # the emulator's per-client hook: (shared, local) after local training
+            noise = np.random.default_rng([state.seed, state.round])
+            trainable = [n for n in self.shared_names if self.manifest.spec(n).trainable]
+            base = {n: v.cpu().numpy() for n, v in state.shared.items()}  # the round's model, as devices hold it
+            exact, coded = WeightedMean(), {c: WeightedMean() for c in {codec, *paired}}
+            for j, (shared, local) in zip(self.members, super()._train(state), strict=True):
+                tensors = {n: v.cpu().numpy() for n, v in shared.items()}
+                exact.add({n: tensors[n] for n in trainable}, self.data.n_train[j])
+                for c, mean in coded.items():
+                    back = through(self.manifest, c, tensors, base, noise)
+                    mean.add({n: back[n] for n in trainable}, self.data.n_train[j])
+                    if c == codec:
+                        sent = back
+                yield {n: torch.from_numpy(sent[n]).to(v.device) for n, v in shared.items()}, local
+            previous = {n: base[n].astype(np.float64) for n in trainable}
+            result = exact.result(np.float64)
+            for c, mean in coded.items():
+                error = update_error(previous, result, mean.result(np.float64))
+                for sink in ([errors] if c == codec else []) + ([paired[c]] if c in paired else []):
+                    sink.append(error)
+
+    data = load_fleet_data(DataConfig(dataset="digits", clients=5, classes_per_client=4, input_size=16, seed=seed))
+    config = FleetConfig(model="mobilenet_v1", width=0.25, algorithm="fedper", kp=2, local_epochs=1,
+                         batch_size=32, lr=0.05, momentum=0.9, seed=seed, engine="sequential")
+    fleet = CompressedFleet(config, data)
+    state = fleet.init()
+    for _ in range(rounds):
+        state, metrics = fleet.run_round(state)
+        yield metrics
 
 
 def run(out: Path, quick: bool = False) -> str:
     rows = sizes(MODELS[:1], (1,)) if quick else sizes()
-    accuracy = [] if quick else accuracy_cost(rounds=15, seeds=(0, 1, 2, 3, 4))
-    write_json(out, "wire", {"sizes": rows, "accuracy": accuracy, "accuracy_setup": ACCURACY_SETUP})
+    if quick:
+        accuracy, paired = [], paired_update_errors(rounds=15, seeds=(0,))
+    else:
+        accuracy, paired = accuracy_cost(rounds=15, seeds=(0, 1, 2, 3, 4))
+    write_json(out, "wire", {"sizes": rows, "accuracy": accuracy, "paired_update_errors": paired,
+                             "accuracy_setup": ACCURACY_SETUP})
     text = table(["model", "K_P", "codec", "shared values", "up MB", "down MB (fp32)", "framing overhead",
                   "MB per device per round", "up vs fp32"],
                  [[r["model"], r["kp"], r["codec"], f"{r['shared_params']:,}", r["up"] / 1e6, r["down"] / 1e6,
@@ -151,8 +191,13 @@ def run(out: Path, quick: bool = False) -> str:
                       [[r["codec"], f"{r['update_error_median']:.2e}, {r['update_error_p90']:.2e}", r["mean_accuracy"],
                         f"{r['delta_vs_fp32']:+.4f}", " ".join(f"{a:.3f}" for a in r["final_accuracy"]),
                         " ".join(f"{d:+.3f}" for d in r["delta_per_seed"])] for r in accuracy])
+    text += (f"\n\npaired update error (every codec on the same updates of the fp32 runs; {ACCURACY_SETUP}, "
+             f"{paired[0]['rounds']} rounds, seeds {paired[0]['seeds']}):\n")
+    text += table(["codec", "update error / round's step: median", "90th percentile", "max"],
+                  [[r["codec"], f"{r['update_error_median']:.2e}", f"{r['update_error_p90']:.2e}",
+                    f"{max(r['update_errors']):.2e}"] for r in paired])
     return text
 
 
 if __name__ == "__main__":
-    main(run, __doc__, quick="MobileNet-v1 at K_P=1 only, no accuracy run")
+    main(run, __doc__, quick="MobileNet-v1 at K_P=1 only; no accuracy runs, the paired update errors on one seed")
