@@ -10,7 +10,7 @@ import pytest
 from safetensors.numpy import load_file
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
-from fedper.coordinator.engine import Config, Coordinator
+from fedper.coordinator.engine import Config, Coordinator, Registration
 from fedper.coordinator.store import Store
 from fedper.payload import encode_shared
 from fedper.wire import ErrorMessage, Register, RoundInfo, Topics, UpdateMeta, chunk
@@ -332,3 +332,211 @@ def test_arbitrary_messages_never_raise_or_change_the_model(tmp_path: Path) -> N
     assert c.round.number == 1 and c.counters["accepted"] == 0 and c.counters["internal_error"] == 0
     for k in before:
         np.testing.assert_array_equal(c.model[k], before[k])
+
+
+# ---------------------------------------------------------------- selection (--clients-per-round, issue 17)
+# Update frames, registrations and presence are built by hand (tests/test_untrusted_engine.py's helpers).
+
+
+def fleet(c: Coordinator, devices: list[str], online: bool = True, now: float = 0.0) -> None:
+    """Register each device by hand (section 6.1) and publish its presence (section 6.2)."""
+    from test_untrusted_engine import registration
+
+    for device in devices:
+        c.handle(f"fedper/v1/lab/register/{device}", registration(10), now)
+        if online:
+            c.handle(f"fedper/v1/lab/presence/{device}", b"online", now)
+
+
+def upload(c: Coordinator, device: str, frames: int | None = None, now: float = 1.0, blob_id: str = "u1") -> list:
+    """The device's hand-built update for the open round, all of its chunk frames or the first `frames`."""
+    from test_untrusted_engine import chunks, meta, safetensors
+
+    payloads = chunks(safetensors(shifted(1.0)), meta(10, c.round.number), blob_id, chunk_size=16)
+    assert len(payloads) > 2
+    out = []
+    for payload in payloads[:frames]:
+        out += c.handle(f"fedper/v1/lab/update/{device}", payload, now)
+    return out
+
+
+def invited_in(out: list) -> dict[str, dict]:
+    """device -> its invitation (parsed by hand) among published messages; b"" for a cleared one."""
+    prefix = "fedper/v1/lab/invite/"
+    return {m.topic[len(prefix):]: json.loads(m.payload) if m.payload else b""
+            for m in out if m.topic.startswith(prefix)}
+
+
+def round_info(out: list) -> dict:
+    return json.loads(next(m.payload for m in out if m.topic == TOPICS.round))
+
+
+DEVICES = [f"d{i:02d}" for i in range(20)]
+
+
+def test_selection_invites_ceil_f_m_online_registered_devices_by_the_seeded_rule(tmp_path: Path) -> None:
+    from fedper.selection import select
+
+    c = make(tmp_path / "a", clients_per_round=4, over_select=1.3, min_clients=1, selection_seed=5)
+    fleet(c, DEVICES[:15])
+    fleet(c, DEVICES[15:], online=False)  # registered, not online: never invited
+    c.handle("fedper/v1/lab/presence/stranger", b"online", 0.0)  # online, not registered: never invited
+    out = c.start(0.0)
+    invitations = invited_in(out)
+    assert sorted(invitations) == sorted(select(DEVICES[:15], 6, seed=5, round_=1))  # ceil(1.3 * 4) = 6
+    assert all(body == {"v": 1, "round": 1} for body in invitations.values())
+    assert all(m.retain and m.qos == 1 for m in out if "/invite/" in m.topic)
+    info = round_info(out)
+    assert info["selection"] == "invited" and info["next_selection_at"] == info["deadline"] == 10.0
+    state = json.loads((tmp_path / "a" / "state.json").read_text())
+    assert state["round"]["selection"] == {"seed": 5, "invite_cap": 6, "invited": sorted(invitations)}
+    again = make(tmp_path / "b", clients_per_round=4, over_select=1.3, min_clients=1, selection_seed=5)
+    fleet(again, DEVICES[15:], online=False)
+    fleet(again, list(reversed(DEVICES[:15])))  # in another order
+    assert invited_in(again.start(0.0)) == invitations  # same seed, same online fleet: same invitations
+    other = make(tmp_path / "c", clients_per_round=4, over_select=1.3, min_clients=1, selection_seed=6)
+    fleet(other, DEVICES[:15])
+    assert invited_in(other.start(0.0)).keys() != invitations.keys()
+
+
+def test_a_restarted_coordinator_keeps_the_rounds_invitations(tmp_path: Path) -> None:
+    c = make(tmp_path, clients_per_round=3, min_clients=1)
+    fleet(c, DEVICES)
+    invitations = invited_in(c.start(0.0))
+    assert len(invitations) == 3
+    assert upload(c, sorted(invitations)[0]) == []
+    del c  # killed
+    c = make(tmp_path, clients_per_round=3, min_clients=1, selection_seed=99)  # another seed: the open round keeps
+    out = c.start(50.0)  # its invitations (the devices' retained presence has not come back yet)
+    assert invited_in(out) == invitations and c.round.invited == set(invitations)  # re-published, same ones
+    fleet(c, DEVICES, now=51.0)
+    assert invited_in(c.tick(51.0)) == {}  # the round is full: nobody else invited
+    assert errors(upload(c, sorted(invitations)[0], now=52.0)) == ["duplicate_update"]
+    outsider = next(d for d in DEVICES if d not in invitations)
+    assert errors(upload(c, outsider, now=52.0)) == ["not_invited"]
+
+
+def test_an_update_from_a_device_not_invited_is_refused_at_its_first_chunk_without_reassembly(tmp_path: Path) -> None:
+    c = make(tmp_path, clients_per_round=2, min_clients=1)
+    fleet(c, DEVICES[:6])
+    invitations = invited_in(c.start(0.0))
+    outsider = next(d for d in DEVICES[:6] if d not in invitations)
+    out = upload(c, outsider, frames=1)
+    assert errors(out) == ["not_invited"] and out[0].topic == TOPICS.error(outsider)
+    assert len(c._reassembler) == 0 and c._reassembler.bytes == 0  # nothing held for it
+    assert upload(c, outsider) == []  # the rest of the refused blob: dropped unanswered, one answer per blob
+    assert c.counters["not_invited"] == 1 and c.round.rejected["not_invited"] == 1 and not c.round.folded
+    upload(c, sorted(invitations)[0], frames=1)
+    assert len(c._reassembler) == 1  # an invited device's first chunk is reassembled: the check above can fail
+    assert "`not_invited`" in (Path(__file__).parents[1] / "docs" / "protocol.md").read_text()
+
+
+def test_the_round_closes_at_m_accepted_updates_and_clears_its_invitations(tmp_path: Path) -> None:
+    c = make(tmp_path, clients_per_round=2, over_select=1.5, min_clients=1, round_timeout=100.0)
+    fleet(c, DEVICES[:10])
+    first = invited_in(c.start(0.0))
+    assert len(first) == 3  # over-selected: ceil(1.5 * 2)
+    answering = sorted(first)[:2]
+    upload(c, answering[0])
+    assert all(m.topic == TOPICS.state for m in c.tick(2.0)) and c.round.number == 1  # 1 < M
+    upload(c, answering[1])
+    out = c.tick(3.0)  # M accepted, long before the deadline: closed
+    assert c.round.number == 2
+    record = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert record["participants"] == 2 and record["invited"] == 3 and record["devices"] == answering
+    second = {d: body for d, body in invited_in(out).items() if body}
+    cleared = {d for d, body in invited_in(out).items() if body == b""}
+    assert len(second) == 3 and all(body == {"v": 1, "round": 2} for body in second.values())
+    assert cleared == set(first) - set(second)  # the closed round's retained invitations, where not renewed
+    assert round_info(out)["round"] == 2 and round_info(out)["next_selection_at"] == 103.0
+    assert json.loads(c.state_message(3.0).payload)["invited"] == 3
+
+
+def test_devices_that_come_online_top_the_round_up_to_its_invitations(tmp_path: Path) -> None:
+    from fedper.selection import select
+
+    c = make(tmp_path, clients_per_round=3, min_clients=1)
+    fleet(c, DEVICES[:1])
+    assert sorted(invited_in(c.start(0.0))) == DEVICES[:1]  # fewer online than invitations: those there are
+    fleet(c, DEVICES[1:8], now=1.0)  # come online within one interval: ranked together
+    topped = invited_in(c.tick(1.0))
+    assert sorted(topped) == sorted(select(DEVICES[1:8], 2, seed=0, round_=1))
+    fleet(c, DEVICES[8:], now=2.0)
+    assert invited_in(c.tick(2.0)) == {} and len(c.round.invited) == 3  # full
+    state = json.loads((tmp_path / "state.json").read_text())
+    assert state["round"]["selection"]["invited"] == sorted(c.round.invited)  # checkpointed before sent
+
+
+def test_deadline_closes_with_min_clients_and_an_extension_replaces_dropouts(tmp_path: Path) -> None:
+    c = make(tmp_path, clients_per_round=3, min_clients=2, round_timeout=5.0)
+    fleet(c, DEVICES[:3])
+    invitations = sorted(invited_in(c.start(0.0)))
+    assert invitations == DEVICES[:3]
+    upload(c, invitations[0])
+    for dropout in invitations[1:]:
+        c.handle(f"fedper/v1/lab/presence/{dropout}", b"offline", 2.0)
+    fleet(c, DEVICES[3:5], now=3.0)
+    assert invited_in(c.tick(3.0)) == {}  # no room: dropouts are replaced only when the deadline passes
+    out = c.tick(6.0)  # 1 < --min-clients 2: extended, and two new devices invited in place of the dropouts
+    assert c.round.extensions == 1 and round_info(out)["deadline"] == 11.0
+    assert sorted(invited_in(out)) == DEVICES[3:5]
+    upload(c, DEVICES[3], now=7.0)
+    assert c.tick(8.0) == [] or c.round.number == 1  # 2 updates: a quorum, but not M, and the deadline is ahead
+    c.tick(11.5)
+    assert c.round.number == 2
+    record = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert record["participants"] == 2 and record["invited"] == 5 and record["deadline_extensions"] == 1
+
+
+def test_without_clients_per_round_every_registered_device_takes_part_as_before(tmp_path: Path) -> None:
+    c = make(tmp_path, min_clients=1)
+    fleet(c, DEVICES[:3], online=False)  # presence plays no part
+    out = c.start(0.0)
+    assert invited_in(out) == {} and set(round_info(out)) == {"v", "round", "rounds", "state", "deadline", "blob_id",
+                                                              "size", "sha256", "count", "base_digest"}
+    for device in DEVICES[:3]:
+        assert upload(c, device, blob_id=f"u-{device}") == []
+    assert "invited" not in json.loads(c.state_message(1.0).payload) and c.invited_count == 3
+    c.tick(2.0)  # every registered device answered: closed
+    assert c.round.number == 2 and "invited" not in json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert "selection" not in json.loads((tmp_path / "state.json").read_text())["round"]
+
+
+def test_round_info_and_invitations_stay_small_at_10000_devices(tmp_path: Path) -> None:
+    """The messages a round publishes grow with M, never with the fleet: one RoundInfo, one small message
+    per invited device, nothing per device not invited."""
+    sizes = {}
+    for n in (1_000, 10_000):
+        c = make(tmp_path / str(n), clients_per_round=100, over_select=1.3, min_clients=1)
+        devices = [f"device-{i:05d}" for i in range(n)]
+        for device in devices:
+            c.registered[device] = Registration(10, "test/1")  # 10,000 JSON registrations: a few seconds more
+        c.online.update(devices)
+        out = c.start(0.0)
+        invitations = [m for m in out if "/invite/" in m.topic]
+        assert len(invitations) == 130 and len(out) == len(invitations) + model_chunks(out) + 2  # + RoundInfo, state
+        sizes[n] = (len(next(m.payload for m in out if m.topic == TOPICS.round)),
+                    max(len(m.payload) for m in invitations), len(c.state_message(0.0).payload))
+    assert sizes[10_000][:2] == sizes[1_000][:2]  # RoundInfo and an invitation: the same bytes at 1,000 and 10,000
+    round_bytes, invitation_bytes, state_bytes = sizes[10_000]
+    assert round_bytes < 1024 and invitation_bytes < 64 and state_bytes < 1024
+
+
+def model_chunks(out: list) -> int:
+    """The model's chunk frames among published messages."""
+    return sum("/model/" in m.topic for m in out)
+
+
+def test_cli_refuses_min_clients_above_clients_per_round(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from fedper.coordinator.cli import app
+
+    artifacts = tmp_path / "export"
+    artifacts.mkdir()
+    MANIFEST.save(artifacts)
+    (artifacts / "base.safetensors").write_bytes(encode_shared(MANIFEST, tiny_tensors()))
+    result = CliRunner().invoke(app, ["--artifacts", str(artifacts), "--fleet", "lab", "--rounds", "1",
+                                      "--state-dir", str(tmp_path / "s"), "--broker", "mqtt://x",
+                                      "--clients-per-round", "2", "--min-clients", "3"])
+    assert result.exit_code == 2 and "--min-clients 3 is above --clients-per-round 2" in result.output
