@@ -3,6 +3,10 @@ decoding undoes the codec the sender announced and refuses anything that is not 
 
 from __future__ import annotations
 
+import base64
+import json
+import struct
+
 import numpy as np
 import pytest
 from safetensors.numpy import save
@@ -159,3 +163,24 @@ def test_blobs_written_by_hand_that_break_the_layout_are_refused(fleet) -> None:
         with pytest.raises(PayloadError, match=match) as refused:
             decode_shared(manifest, blob)
         assert refused.value.code == "bad_tensors"
+
+
+def test_hand_built_per_channel_parameters_that_do_not_fit_are_bad_tensors(fleet) -> None:
+    """An int8-delta-pc blob written by hand (safetensors + json + struct + base64): parameters for
+    too few channels, a negative scale or a NaN are bad_tensors; the right ones decode."""
+    manifest, _, shared = fleet
+    weight = next(t.name for t in manifest.shared_tensors if t.trainable and len(t.shape) >= 2)
+    rows = manifest.spec(weight).shape[0]
+    q = np.full(manifest.spec(weight).shape, 2, np.uint8)
+
+    def blob(*pairs: float) -> bytes:
+        quant = json.dumps({weight: base64.b64encode(struct.pack(f"<{len(pairs)}f", *pairs)).decode()})
+        return save({**shared, weight: q}, metadata={"fedper.codec": "int8-delta-pc", "fedper.quant": quant})
+
+    for bad, match in [(blob(0.0, 1.0), f"{rows} \\(lo, scale\\) float32 pairs"),
+                       (blob(*[0.0, -1.0] * rows), "scale >= 0"), (blob(*[float("nan"), 1.0] * rows), "finite")]:
+        with pytest.raises(PayloadError, match=match) as refused:
+            decode_shared(manifest, bad, "int8-delta-pc", base=shared)
+        assert refused.value.code == "bad_tensors"
+    decoded = decode_shared(manifest, blob(*[0.5, 0.25] * rows), "int8-delta-pc", base=shared)
+    np.testing.assert_allclose(decoded[weight], shared[weight] + np.float32(1.0), rtol=1e-6)
