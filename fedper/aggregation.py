@@ -16,19 +16,28 @@ import numpy as np
 
 Tensor = Any  # numpy.ndarray or torch.Tensor
 
-# float64 elements per block of the numpy fold: 256 KiB of scratch, which stays in cache
-_FOLD_BLOCK = 1 << 15
+# float64 elements of the numpy fold's scratch (2 MiB): a tensor up to this size is folded in one go,
+# a larger one block by block (fewer, longer numpy calls were faster than cache-sized blocks)
+_FOLD_BLOCK = 1 << 18
 
 
 def _fold_numpy(acc: np.ndarray, value: np.ndarray, weight: float, scratch: np.ndarray) -> None:
-    """acc += weight * value block by block through `scratch`: a full-size float64 temporary per
-    tensor would double the peak memory and stream every byte through RAM twice more."""
-    flat_acc, flat = acc.reshape(-1), np.ascontiguousarray(value).reshape(-1)
-    for start in range(0, flat.size, _FOLD_BLOCK):
-        block = flat[start : start + _FOLD_BLOCK]
-        weighted = scratch[: block.size]
-        np.multiply(block, weight, out=weighted, dtype=np.float64)  # not in float32, then cast
-        flat_acc[start : start + block.size] += weighted
+    """acc += weight * value through `scratch`: a full-size float64 temporary per tensor would double
+    the peak memory. Cast by np.copyto, then scaled in place: the same float64 operations as
+    np.multiply(value, weight, dtype=float64), so the same bits, without that call's buffered cast."""
+    if value.size <= scratch.size:
+        _fold_block(acc, value, weight, scratch[: value.size].reshape(value.shape))
+        return
+    flat_acc, flat = acc.reshape(-1), value.reshape(-1)  # value.reshape copies only a non-contiguous value
+    for start in range(0, flat.size, scratch.size):
+        block = flat[start : start + scratch.size]
+        _fold_block(flat_acc[start : start + block.size], block, weight, scratch[: block.size])
+
+
+def _fold_block(acc: np.ndarray, value: np.ndarray, weight: float, weighted: np.ndarray) -> None:
+    np.copyto(weighted, value)  # float32 -> float64, exact
+    np.multiply(weighted, weight, out=weighted)
+    np.add(acc, weighted, out=acc)
 
 
 def _weight(n_samples: float, total_weight: float) -> float:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedper.aggregation import WeightedMean, weighted_mean
+from fedper.aggregation import _FOLD_BLOCK, WeightedMean, weighted_mean
 from fedper.algorithms import ALGORITHMS, check_kp, get_algorithm
 from fedper.manifest import Manifest, ManifestError
 from fedper.models import build_model, describe, exported_state
@@ -75,7 +75,7 @@ def test_weighted_mean_folds_large_and_strided_tensors_exactly_in_float64() -> N
     non-contiguous one) must give the plain float64 formula, and a rule resumed from its sums
     (the coordinator's restart) must continue the very same sum, bit for bit."""
     rng = np.random.default_rng(1)
-    big = 3 * (1 << 15) + 7  # three whole blocks and a ragged one
+    big = 2 * _FOLD_BLOCK + 7  # two whole blocks and a ragged one
     updates = [({"big": rng.standard_normal(big).astype(np.float32),
                  "t": rng.standard_normal((300, 200)).astype(np.float32).T}, n) for n in (5, 17, 2)]
     rule = WeightedMean()

@@ -1,0 +1,70 @@
+"""The weighted mean's numpy fold: the coordinator's restart compares sums bit for bit, so the fold
+must give exactly the float64 formula acc + n * float64(value), whatever path a tensor takes
+(folded in one go, block by block, non-contiguous, integer or half-precision values)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fedper.aggregation import _FOLD_BLOCK, WeightedMean
+
+
+def _exact_sum(updates: list[tuple[dict[str, np.ndarray], float]]) -> dict[str, np.ndarray]:
+    """Σ n_j W_j the plain way: each update cast to float64 in full, scaled, then added in order."""
+    sums: dict[str, np.ndarray] = {}
+    for tensors, n in updates:
+        for name, value in tensors.items():
+            weighted = value.astype(np.float64) * n
+            sums[name] = sums[name] + weighted if name in sums else np.zeros(value.shape) + weighted
+    return sums
+
+
+def _update(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return {
+        "tiny": rng.standard_normal(3).astype(np.float32),
+        "one_block": rng.standard_normal(_FOLD_BLOCK).astype(np.float32),
+        "blocks": rng.standard_normal(2 * _FOLD_BLOCK + 7).astype(np.float32),  # two whole blocks and a ragged one
+        "strided": rng.standard_normal((600, 700)).astype(np.float32).T,  # non-contiguous, above a block
+        "strided_small": rng.standard_normal((30, 20)).astype(np.float32)[::2],
+        "half": rng.standard_normal((4, 5)).astype(np.float16),
+        "ints": rng.integers(-1000, 1000, 50).astype(np.int64),
+        "float64": rng.standard_normal(11),
+    }
+
+
+@pytest.mark.parametrize("weights", [(10, 500, 3), (0.1, 1e-3, 7.25), (2.0**40 + 1, 1 / 3, 1e12)])
+def test_fold_is_the_float64_formula_bit_for_bit(weights: tuple[float, ...]) -> None:
+    """Integer weights make n * value exact; fractional and huge ones round: either way the same bits."""
+    rng = np.random.default_rng(7)
+    updates = [(_update(rng), n) for n in weights]
+    rule = WeightedMean()
+    for tensors, n in updates:
+        rule.add(tensors, n)
+    expected = _exact_sum(updates)
+    assert set(rule.sums()) == set(expected)
+    for name, value in rule.sums().items():
+        assert value.dtype == np.float64 and value.shape == expected[name].shape
+        assert np.array_equal(value, expected[name]), name
+
+
+def test_fold_leaves_the_update_untouched_and_resumes_bit_for_bit() -> None:
+    """The scratch is the rule's own: the caller's arrays are read only, and a rule resumed from its
+    sums (the coordinator's restart) continues the very same sum."""
+    rng = np.random.default_rng(8)
+    updates = [(_update(rng), n) for n in (4, 9, 2)]
+    copies = [{name: value.copy() for name, value in tensors.items()} for tensors, _ in updates]
+    rule = WeightedMean()
+    for tensors, n in updates[:2]:
+        rule.add(tensors, n)
+    dtypes = {name: value.dtype for name, value in updates[0][0].items()}
+    resumed = WeightedMean.from_sums({k: v.copy() for k, v in rule.sums().items()}, rule.total_weight, rule.count,
+                                     dtypes)
+    for mean in (rule, resumed):
+        mean.add(*updates[2])
+    for name in dtypes:
+        assert np.array_equal(resumed.sums()[name], rule.sums()[name])
+        assert np.array_equal(resumed.result()[name], rule.result()[name])
+    for (tensors, _), copy in zip(updates, copies, strict=True):
+        for name, value in tensors.items():
+            assert np.array_equal(value, copy[name])
