@@ -8,12 +8,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+import time
 from collections import Counter
+from pathlib import Path
+from typing import Any
 
 import pytest
+from test_coordinator_live import TOPICS, Device, metrics, run_in_thread, wait_for
+from vectors.make_vectors import tiny_manifest, tiny_tensors
 
+from fedper.mqtt import connect_async, make_client, parse_broker_url
 from fedper.selection import invitations, select, selection_key
-from fedper.wire import Invitation, RoundInfo, Topics, WireError
+from fedper.wire import Invitation, Register, RoundInfo, Topics, WireError
 
 DEVICES = [f"dev-{i:05d}" for i in range(1000)]
 
@@ -88,3 +95,80 @@ def test_invitation_is_a_small_message_on_the_devices_own_topic() -> None:
     for bad in (b'{"v":1,"round":0}', b'{"v":1}', b'{"v":2,"round":3}'):
         with pytest.raises(WireError):
             Invitation.decode(bad)
+
+
+# ---------------------------------------------------------------- through a real Mosquitto
+
+
+class InvitedDevice(Device):
+    """A scripted device that follows section 8.1: it answers a round only once invited to it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.invited: set[int] = set()
+        self.pending: dict[int, Any] = {}  # round -> its base, trained on but not sent: not invited (yet)
+        self.lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def _on_connect(self, client, userdata, flags, reason, props) -> None:  # type: ignore[no-untyped-def]
+        super()._on_connect(client, userdata, flags, reason, props)
+        client.subscribe(TOPICS.invite(self.name), 1)
+
+    def _on_message(self, client, userdata, msg) -> None:  # type: ignore[no-untyped-def]
+        if msg.topic != TOPICS.invite(self.name):
+            super()._on_message(client, userdata, msg)
+        elif msg.payload:  # empty: an invitation cleared
+            round_ = Invitation.decode(msg.payload).round
+            with self.lock:
+                self.invited.add(round_)
+                base = self.pending.pop(round_, None)
+            if base is not None:
+                super().send(round_, base)
+
+    def send(self, round_: int, base: Any, **meta: Any) -> None:
+        with self.lock:
+            if round_ not in self.invited:
+                self.pending[round_] = base
+                return
+        super().send(round_, base, **meta)
+
+
+class EagerDevice(Device):
+    """An agent that ignores selection and trains every round; it never says it is online, so it is never
+    invited."""
+
+    def _on_connect(self, client, userdata, flags, reason, props) -> None:  # type: ignore[no-untyped-def]
+        client.subscribe([(TOPICS.round, 1), (f"{TOPICS.base}/model/#", 1), (TOPICS.error(self.name), 1)])
+        client.publish(TOPICS.register(self.name), Register(self.n, self.manifest.base_digest, "old/1").encode(),
+                       qos=1, retain=True)
+
+
+@pytest.mark.mosquitto
+def test_a_live_coordinator_invites_over_mosquitto_and_clears_its_invitations(mosquitto, tmp_path: Path) -> None:
+    manifest = tiny_manifest()
+    thread, coordinator = run_in_thread(mosquitto.url, tmp_path, manifest, tiny_tensors(), rounds=3, min_clients=2,
+                                        round_timeout=30.0, clients_per_round=2, over_select=1.5)
+    devices = [InvitedDevice(mosquitto.url, f"d{i}", 10, 0.1 * i, manifest) for i in range(5)]
+    eager = EagerDevice(mosquitto.url, "eager", 10, 1.0, manifest)
+    thread.join(60)
+    assert not thread.is_alive() and coordinator.finished
+    records = metrics(tmp_path)
+    assert [r["round"] for r in records] == [1, 2, 3] and all(r["participants"] == 2 for r in records)
+    assert all(2 <= r["invited"] <= 3 for r in records) and records[-1]["invited"] == 3  # all 5 online by then
+    for record in records:  # closed at M = 2: long before the deadline, the third invitee's update comes late
+        assert record["collect_s"] < 20
+        for name in record["devices"]:
+            assert record["round"] in next(d for d in devices if d.name == name).invited
+    assert "eager" not in {name for r in records for name in r["devices"]}
+    wait_for(lambda: bool(eager.errors), 5, "the eager device's refusal")
+    assert "not_invited" in {e.code for e in eager.errors} <= {"not_invited", "late_update"}  # late: after a close
+    assert {e.code for d in devices for e in d.errors} <= {"late_update"}  # over-selected, answered after M
+    retained: list[str] = []
+    watcher = make_client("watcher")
+    watcher.on_connect = lambda client, *rest: client.subscribe(f"{TOPICS.base}/invite/#", 1)
+    watcher.on_message = lambda client, userdata, msg: retained.append(msg.topic)
+    connect_async(watcher, parse_broker_url(mosquitto.url))
+    time.sleep(1.0)
+    assert retained == []  # every invitation was cleared when its round closed
+    for client in [watcher, *(d.client for d in [*devices, eager])]:
+        client.disconnect()
+        client.loop_stop()
