@@ -16,6 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import subprocess
+import sys
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -384,3 +386,10 @@ def test_a_forged_round_info_does_not_cost_the_device_the_right_model(make_devic
     assert len(device.logs) == logged + 1 and "does not match the round's sha256" in device.logs[-1]
     _, meta, _ = sent_update(device.feed([round_info(right, 2, agent.manifest.base_digest)]))
     assert meta["round"] == 2
+
+
+def test_the_engine_needs_no_mqtt_client() -> None:
+    """The protocol logic runs without paho: MQTT is the service's business alone."""
+    code = "import sys, fedper.edge.engine; print(sorted(m for m in sys.modules if m.split('.')[0] == 'paho'))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.strip() == "[]"
