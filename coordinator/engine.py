@@ -135,6 +135,8 @@ class Coordinator:
         if config.rounds < 1 or config.min_clients < 1:
             raise ValueError("rounds and min_clients must be >= 1")
         self.selecting = config.clients_per_round is not None  # else every registered device takes part
+        if not self.selecting and config.over_select != 1.0:
+            raise ValueError("--over-select needs --clients-per-round: without it every registered device takes part")
         if config.clients_per_round is not None:
             self._invitations = invitations(config.clients_per_round, config.over_select)
             if config.min_clients > config.clients_per_round:

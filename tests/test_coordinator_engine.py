@@ -527,7 +527,7 @@ def model_chunks(out: list) -> int:
     return sum("/model/" in m.topic for m in out)
 
 
-def test_cli_refuses_min_clients_above_clients_per_round(tmp_path: Path) -> None:
+def test_cli_refuses_inconsistent_selection_options(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
     from fedper.coordinator.cli import app
@@ -540,3 +540,6 @@ def test_cli_refuses_min_clients_above_clients_per_round(tmp_path: Path) -> None
                                       "--state-dir", str(tmp_path / "s"), "--broker", "mqtt://x",
                                       "--clients-per-round", "2", "--min-clients", "3"])
     assert result.exit_code == 2 and "--min-clients 3 is above --clients-per-round 2" in result.output
+    result = CliRunner().invoke(app, ["--artifacts", str(artifacts), "--fleet", "lab", "--rounds", "1",
+                                      "--state-dir", str(tmp_path / "s"), "--broker", "mqtt://x", "--over-select", "2"])
+    assert result.exit_code == 2 and "--over-select needs --clients-per-round" in result.output
