@@ -8,6 +8,9 @@ update is its blob as received (no copy, float32 or smaller); every PARTIAL_EVER
 weighted mean writes its float64 running sum instead (twice the bytes, straight from the rule's own
 arrays), and the blobs it covers are deleted. A restart resumes the sum bit for bit, then folds
 the blobs after it.
+
+With a number of clients per round, a round invites devices by fedper.selection's seeded ranking
+(checkpointed with the round) and refuses an update from any other before reassembling it.
 """
 
 from __future__ import annotations
@@ -218,8 +221,8 @@ class Coordinator:
 
     def announce(self, now: float) -> list[Outgoing]:
         """Everything a device needs to join now (also after a broker restart lost retained messages)."""
-        invitations = [self._invitation(device) for device in sorted(self.round.invited)]
-        return [*self._model_messages(), self._round_message(), *invitations, self.state_message(now)]
+        invites = [self._invitation(device) for device in sorted(self.round.invited)]
+        return [*self._model_messages(), self._round_message(), *invites, self.state_message(now)]
 
     # ------------------------------------------------------------ input
 
@@ -261,7 +264,7 @@ class Coordinator:
                     self._replace_dropouts()
                 self._deadline = now + self.config.round_timeout
                 log.warning("round %d: deadline passed with %d/%d update(s), fewer than --min-clients %d: "
-                            "waiting %.1f s more (extension %d)", self.round.number, done, len(self.registered),
+                            "waiting %.1f s more (extension %d)", self.round.number, done, self.invited_count,
                             self.config.min_clients, self.config.round_timeout, self.round.extensions)
                 out.append(self._round_message())
                 self._state_dirty = True
