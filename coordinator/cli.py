@@ -65,10 +65,9 @@ def run(
     """Serve rounds until --rounds are done; resumes from --state-dir after a restart."""
     from fedper.artifacts import BASE_FILE
     from fedper.coordinator.engine import AGGREGATORS, Config, Coordinator
-    from fedper.coordinator.service import BrokerRefused
     from fedper.coordinator.store import CheckpointError, Store
     from fedper.manifest import Manifest, ManifestError
-    from fedper.mqtt import PROTOCOLS, BrokerUrl, parse_broker_url
+    from fedper.mqtt import PROTOCOLS, BrokerRefused, BrokerUrl, parse_broker_url
     from fedper.payload import decode_shared
     from fedper.wire import Topics, WireError
 

@@ -37,6 +37,7 @@ from fedper.wire import (
     MAX_ERROR_TEXT,
     ErrorMessage,
     Invitation,
+    Outgoing,
     Reassembler,
     Register,
     RoundInfo,
@@ -60,15 +61,6 @@ MAX_REJECTED_DEVICES = 10_000
 DEFAULT_MAX_SAMPLES_PER_DEVICE = 1_000_000  # a registration claiming more is refused (too_many_samples)
 DEFAULT_REASSEMBLY_BYTES = 1 << 30  # all devices' partial uploads together, unless 4 devices' quotas are more
 PARTIAL_EVERY = 8  # weighted mean: a checkpoint of its float64 sum per this many accepted updates
-
-
-@dataclass(frozen=True)
-class Outgoing:
-    topic: str
-    payload: bytes
-    retain: bool = False
-    qos: int = 1
-    broadcast: bool = False  # part of a round's model broadcast (timed by the I/O layer)
 
 
 @dataclass(frozen=True)

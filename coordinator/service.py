@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import paho.mqtt.client as mqtt
 
-from fedper.coordinator.engine import Coordinator, Outgoing
-from fedper.mqtt import BrokerRefused as BrokerRefused  # the CLI's import; fedper.mqtt raises it
+from fedper.coordinator.engine import Coordinator
 from fedper.mqtt import BrokerUrl, Connected, Session, make_client
+from fedper.wire import Outgoing
 
 log = logging.getLogger("fedper.coordinator")
 PUBLISH_WAIT_S = 60.0

@@ -16,7 +16,7 @@ Per round k (RoundInfo `open` for a round this device has not answered):
    round k opens;
 3. train the algorithm's phases (fedper.algorithms), e.g. FedPer: base + head for E epochs;
 4. save the state atomically (head, BatchNorm statistics, the update, the round);
-5. publish the update: the shared tensors only (fedper.wire.update_frames -> pack_shared), n_j =
+5. publish the update: the shared tensors only (fedper.payload.encode_shared, chunked by fedper.wire.chunk), n_j =
    the training-sample count, and the metrics.
 
 A kill at any point is survived: after a restart the head comes back from the state dir; if the
@@ -51,19 +51,19 @@ from fedper.data import DataError, load_image_folder, load_npz, to_float_nchw
 from fedper.edge.backend import check_artifacts, open_backend
 from fedper.edge.state import DeviceState, Saved, atomic_write
 from fedper.manifest import Manifest
+from fedper.payload import decode_shared, encode_shared, max_blob_size
 from fedper.wire import (
     DEFAULT_CHUNK_SIZE,
     ErrorMessage,
+    Outgoing,
     Reassembler,
     Register,
     RoundInfo,
     Topics,
     UpdateMeta,
     WireError,
+    chunk,
     decode_chunk,
-    decode_tensors,
-    max_shared_blob_size,
-    update_frames,
 )
 
 SOFTWARE = "fedper-agent/0.1.0"
@@ -104,14 +104,6 @@ class LocalData:
     y_train: np.ndarray  # int64, indices into the manifest's classes
     x_test: np.ndarray
     y_test: np.ndarray
-
-
-@dataclass(frozen=True)
-class Outgoing:
-    topic: str
-    payload: bytes
-    qos: int = 1
-    retain: bool = False
 
 
 @dataclass(frozen=True)
@@ -188,7 +180,7 @@ class Agent:
             self.backend.load(self.saved.local)
             log(f"restored the head of round {self.saved.round} from {config.state_dir}")
         self.final_accuracy: float | None = None
-        self._models = Reassembler(max_shared_blob_size(self.manifest), max_open_blobs=4)
+        self._models = Reassembler(max_blob_size(self.manifest), max_open_blobs=4)
         self._blobs: dict[str, bytes] = {}  # the newest complete model blob, until a RoundInfo names it
         self._model: RoundModel | None = None  # the open round's model, decoded
         self._round: RoundInfo | None = None
@@ -332,7 +324,7 @@ class Agent:
         del self._blobs[info.blob_id]
         self._model = None  # the last round's model is done with: never hold two decoded models
         try:
-            tensors = decode_tensors(self.manifest, blob, codec="fp32")  # a round's model is always fp32
+            tensors = decode_shared(self.manifest, blob, codec="fp32")  # a round's model is always fp32
         except Exception as e:  # an untrusted blob: whatever fails in decoding it is a refusal, not a crash
             self.log(f"refused model {info.blob_id} of round {info.round}: {type(e).__name__}: {e}")
             return None
@@ -347,7 +339,8 @@ class Agent:
                           metrics=saved.metrics, codec=c.compression)
         blob_id = f"r{saved.round}-{secrets.token_hex(4)}"
         base = model if c.compression in DELTA_CODECS else None
-        frames = update_frames(self.manifest, saved.update, meta, blob_id, c.chunk_size, base)
+        blob = encode_shared(self.manifest, saved.update, c.compression, base)
+        frames = chunk(blob, c.chunk_size, blob_id, meta.to_dict())
         self._sent_round = saved.round
         return [Outgoing(self.topics.update(c.client_id), frame) for frame in frames]
 

@@ -110,6 +110,17 @@ class Topics:
         return parts[3], check_name(parts[4], "device")
 
 
+@dataclass(frozen=True)
+class Outgoing:
+    """A message an engine wants published; the MQTT service around it does the I/O."""
+
+    topic: str
+    payload: bytes
+    retain: bool = False
+    qos: int = 1
+    broadcast: bool = False  # part of a round's model broadcast (timed by the coordinator's service)
+
+
 # ---------------------------------------------------------------- JSON messages
 
 # Bounds every field is checked against before a receiver acts on a message (docs/protocol.md, section 4).
@@ -560,35 +571,3 @@ class Reassembler:
 def decode_update_meta(meta: Mapping[str, Any]) -> UpdateMeta:
     """The `meta` object of an update chunk, every field checked (it came parsed in the chunk's header)."""
     return UpdateMeta.from_dict(meta)
-
-
-# ---------------------------------------------------------------- parameters: see fedper.payload
-# TEMP(lead): edge migration: the names edge/ and its tests still import, as thin aliases of fedper.payload
-# (imported inside each function: fedper.payload imports this module).
-
-
-def update_blob(manifest: Any, tensors: Any, codec: str = "fp32",  # TEMP(lead): edge migration
-                base: Any = None) -> bytes:
-    from fedper.payload import encode_shared
-
-    return encode_shared(manifest, tensors, codec, base)
-
-
-def update_frames(manifest: Any, tensors: Any, meta: UpdateMeta, blob_id: str,  # TEMP(lead): edge migration
-                  chunk_size: int = DEFAULT_CHUNK_SIZE, base: Any = None) -> list[bytes]:
-    from fedper.payload import encode_shared
-
-    return chunk(encode_shared(manifest, tensors, meta.codec, base), chunk_size, blob_id, meta.to_dict())
-
-
-def decode_tensors(manifest: Any, blob: bytes, codec: str | None = None,  # TEMP(lead): edge migration
-                   base: Any = None) -> Any:
-    from fedper.payload import decode_shared
-
-    return decode_shared(manifest, blob, codec, base)
-
-
-def max_shared_blob_size(manifest: Any) -> int:  # TEMP(lead): edge migration
-    from fedper.payload import max_blob_size
-
-    return max_blob_size(manifest)

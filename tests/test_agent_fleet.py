@@ -24,7 +24,7 @@ from fedper.edge.backend import check_artifacts, open_backend
 from fedper.edge.engine import Agent, AgentConfig, load_local_data
 from fedper.edge.service import run_agent
 from fedper.edge.state import DeviceState
-from fedper.wire import decode_tensors, update_blob
+from fedper.payload import decode_shared, encode_shared
 
 pytestmark = pytest.mark.mosquitto
 CLASSES = ("0", "1", "2", "3")
@@ -63,8 +63,8 @@ def reference_base(artifacts: Path, data: list[Path], tmp_path: Path, codec: str
             backend.load(base)
             backend.load(heads[j])
             backend.train("all", d.x_train, d.y_train, epochs=1, batch_size=BATCH, lr=LR, seed=(SEED, round_, 0))
-            sent = update_blob(manifest, backend.read(shared_names), codec, base)
-            mean.add(decode_tensors(manifest, sent, codec, base), len(d.y_train))
+            sent = encode_shared(manifest, backend.read(shared_names), codec, base)
+            mean.add(decode_shared(manifest, sent, codec, base), len(d.y_train))
             heads[j] = backend.read(local_names)
         base = mean.result()
     return base

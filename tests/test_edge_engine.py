@@ -28,7 +28,8 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from fedper.data import load_digits
-from fedper.edge.engine import FINAL_FILE, Agent, AgentConfig, AgentError, Outgoing
+from fedper.edge.engine import FINAL_FILE, Agent, AgentConfig, AgentError
+from fedper.wire import Outgoing
 
 FLEET, DEVICE = "lab", "dev0"
 BASE = f"fedper/v1/{FLEET}"

@@ -29,10 +29,20 @@ from safetensors.numpy import load
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
 from fedper.aggregation import CoordinateMedian, TrimmedMean, WeightedMean
-from fedper.coordinator.engine import DEFAULT_MAX_SAMPLES_PER_DEVICE, Config, Coordinator, Outgoing
+from fedper.coordinator.engine import DEFAULT_MAX_SAMPLES_PER_DEVICE, Config, Coordinator
 from fedper.coordinator.store import Store
 from fedper.manifest import Manifest
-from fedper.wire import ERROR_CODES, MAX_JSON_INT, ErrorMessage, Register, RoundInfo, Topics, UpdateMeta, WireError
+from fedper.wire import (
+    ERROR_CODES,
+    MAX_JSON_INT,
+    ErrorMessage,
+    Outgoing,
+    Register,
+    RoundInfo,
+    Topics,
+    UpdateMeta,
+    WireError,
+)
 
 MANIFEST = tiny_manifest()
 FLEET = "lab"
