@@ -16,9 +16,11 @@ import numpy as np
 
 Tensor = Any  # numpy.ndarray or torch.Tensor
 
-# float64 elements of the numpy fold's scratch (2 MiB): a tensor up to this size is folded in one go,
-# a larger one block by block (fewer, longer numpy calls were faster than cache-sized blocks)
+# float64 elements of the numpy fold's scratch (2 MiB): tensors are folded in groups of up to this
+# many elements, a larger tensor block by block (few, long numpy calls beat cache-sized blocks)
 _FOLD_BLOCK = 1 << 18
+
+Group = tuple[int, int, tuple[str, ...]]  # [start, stop) in the flat sum, and the tensors laid there in order
 
 
 def _fold_numpy(acc: np.ndarray, value: np.ndarray, weight: float, scratch: np.ndarray) -> None:
@@ -38,6 +40,37 @@ def _fold_block(acc: np.ndarray, value: np.ndarray, weight: float, weighted: np.
     np.copyto(weighted, value)  # float32 -> float64, exact
     np.multiply(weighted, weight, out=weighted)
     np.add(acc, weighted, out=acc)
+
+
+def _groups(sizes: Mapping[str, int], block: int) -> list[Group]:
+    """Consecutive tensors of the flat sum in runs of at most `block` elements; a larger tensor alone."""
+    groups: list[Group] = []
+    names: list[str] = []
+    start = offset = 0
+    for name, size in sizes.items():
+        if names and offset + size - start > block:
+            groups.append((start, offset, tuple(names)))
+            names, start = [], offset
+        names.append(name)
+        offset += size
+    if names:
+        groups.append((start, offset, tuple(names)))
+    return groups
+
+
+def _fold_groups(flat: np.ndarray, sums: Mapping[str, np.ndarray], groups: list[Group],
+                 tensors: Mapping[str, np.ndarray], weight: float, scratch: np.ndarray) -> None:
+    """flat += weight * tensors, a group of small tensors at a time: one concatenation casts the whole
+    group into `scratch` (three numpy calls per group, not per tensor: a model has many small tensors)."""
+    for start, stop, names in groups:
+        if len(names) == 1:
+            _fold_numpy(sums[names[0]], tensors[names[0]], weight, scratch)
+            continue
+        weighted = scratch[: stop - start]
+        np.concatenate([tensors[name].reshape(-1) for name in names], out=weighted)  # float64, exact
+        np.multiply(weighted, weight, out=weighted)
+        acc = flat[start:stop]
+        np.add(acc, weighted, out=acc)
 
 
 def _weight(n_samples: float, total_weight: float) -> float:
@@ -78,13 +111,16 @@ def _scaled(acc: Tensor, scale: float, dtype: Any) -> Tensor:
 class WeightedMean:
     """W = sum_j gamma_j W_j with gamma_j = n_j / sum n_j over the updates that were added.
 
-    The sum is float64 so that the result does not depend on the order updates arrive in (to 1e-12);
-    numpy updates are folded into it in cache-sized blocks (peak: the sum + the update being added).
+    The sum is float64 so that the result does not depend on the order updates arrive in (to 1e-12).
+    For numpy updates it is one flat array (each tensor's sum a view of it), into which an update is
+    folded a group of tensors at a time through a bounded scratch (peak: the sum + the update being added).
     Its state is (sums, total_weight, count): `sums()` and `from_sums` checkpoint and resume it bit
     for bit (the coordinator's restart)."""
 
     def __init__(self) -> None:
         self._sum: dict[str, Tensor] = {}
+        self._flat: np.ndarray | None = None  # numpy updates: every sum in one array, self._sum holds views
+        self._groups: list[Group] = []
         self._dtype: dict[str, Any] = {}  # only the dtype: keeping the first update would cost a model's memory
         self._scratch = np.empty(_FOLD_BLOCK, np.float64)
         self.total_weight = 0.0
@@ -95,8 +131,16 @@ class WeightedMean:
         changes, so a refused update (ValueError) leaves the rule as it was."""
         weight = _weight(n_samples, self.total_weight)
         _check_layout(tensors, {name: acc.shape for name, acc in self._sum.items()} if self._sum else None)
+        if not self._sum and all(isinstance(value, np.ndarray) for value in tensors.values()):
+            self._lay_out({name: value.shape for name, value in tensors.items()})
         for name, value in tensors.items():
             self._dtype.setdefault(name, value.dtype)
+        if self._flat is not None:
+            _fold_groups(self._flat, self._sum, self._groups, tensors, weight, self._scratch)
+            self.total_weight += weight
+            self.count += 1
+            return
+        for name, value in tensors.items():  # torch tensors (or a mix): tensor by tensor
             if isinstance(value, np.ndarray):
                 if name not in self._sum:
                     self._sum[name] = np.zeros(value.shape, np.float64)
@@ -118,10 +162,21 @@ class WeightedMean:
         if set(sums) != set(dtypes) or any(np.asarray(v).dtype != np.float64 for v in sums.values()):
             raise ValueError("resumed sums must be float64 and name exactly the tensors of `dtypes`")
         rule = cls()
-        rule._sum = {name: np.require(value, np.float64, ["C", "W"]) for name, value in sums.items()}
+        rule._lay_out({name: np.shape(value) for name, value in sums.items()})
+        for name, value in sums.items():
+            np.copyto(rule._sum[name], value)
         rule._dtype = {name: np.dtype(dtype) for name, dtype in dtypes.items()}
         rule.total_weight, rule.count = float(total_weight), count
         return rule
+
+    def _lay_out(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """A zero flat float64 sum with a view per tensor, in this order, and its fold groups."""
+        sizes = {name: math.prod(shape) for name, shape in shapes.items()}
+        self._flat = np.zeros(sum(sizes.values()), np.float64)
+        offsets = np.cumsum([0, *sizes.values()])
+        self._sum = {name: self._flat[offsets[i] : offsets[i + 1]].reshape(shape)
+                     for i, (name, shape) in enumerate(shapes.items())}
+        self._groups = _groups(sizes, _FOLD_BLOCK)
 
     def sums(self) -> dict[str, Tensor]:
         """Σ n_j W_j per tensor, float64: the rule's own arrays, not copies (a checkpoint written from

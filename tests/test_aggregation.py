@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from fedper.aggregation import _FOLD_BLOCK, WeightedMean
 
@@ -68,3 +69,19 @@ def test_fold_leaves_the_update_untouched_and_resumes_bit_for_bit() -> None:
     for (tensors, _), copy in zip(updates, copies, strict=True):
         for name, value in tensors.items():
             assert np.array_equal(value, copy[name])
+
+
+def test_torch_and_mixed_updates_fold_tensor_by_tensor_to_the_same_sum() -> None:
+    """The emulator hands torch tensors (summed tensor by tensor in float64); an update mixing torch
+    and numpy takes that path too: both give the numpy fold's sum."""
+    rng = np.random.default_rng(9)
+    updates = [({"a": rng.standard_normal((3, 4)).astype(np.float32),
+                 "b": rng.standard_normal(2 * _FOLD_BLOCK + 1).astype(np.float32)}, n) for n in (3, 8)]
+    numpy_rule, torch_rule, mixed_rule = WeightedMean(), WeightedMean(), WeightedMean()
+    for tensors, n in updates:
+        numpy_rule.add(tensors, n)
+        torch_rule.add({name: torch.from_numpy(value) for name, value in tensors.items()}, n)
+        mixed_rule.add({"a": torch.from_numpy(tensors["a"]), "b": tensors["b"]}, n)
+    for name, value in numpy_rule.sums().items():
+        assert np.array_equal(torch_rule.sums()[name].numpy(), value), name
+        assert np.array_equal(np.asarray(mixed_rule.sums()[name]), value), name
