@@ -551,9 +551,11 @@ class Coordinator:
 
     def _round_message(self) -> Outgoing:
         blob_id, blob, frames = self._model_blob or (None, b"", [])
+        # the digest its frames carry: the model is hashed once per round (by chunk), not per announcement
+        digest = decode_chunk(frames[0]).sha256 if frames else hashlib.sha256(blob).hexdigest()
         info = RoundInfo(
             round=self.round.number, rounds=self.config.rounds, state="finished" if self.finished else "open",
-            deadline=self._deadline, blob_id=str(blob_id), size=len(blob), sha256=hashlib.sha256(blob).hexdigest(),
+            deadline=self._deadline, blob_id=str(blob_id), size=len(blob), sha256=digest,
             count=len(frames), base_digest=self.digest,
             **({"selection": "invited", "next_selection_at": self._deadline} if self.round.selected else {}),
         )
