@@ -50,12 +50,6 @@ class _Snapshot:
     accuracy: float | None = None
 
 
-def invited_devices(coordinator: Coordinator) -> int:
-    """The devices the open round waits for. Today every registered device takes part in every round;
-    issue 17 item 1 (selection) replaces this with the size of the round's invitation."""
-    return len(coordinator.registered)
-
-
 class CoordinatorMetrics:
     """Call `observe` after each loop iteration (from one thread); `serve` starts the HTTP endpoint."""
 
@@ -96,7 +90,7 @@ class CoordinatorMetrics:
         self._snapshot = _Snapshot(
             registered=len(coordinator.registered),
             online=len(coordinator.online),
-            invited=invited_devices(coordinator),
+            invited=coordinator.invited_count,
             accepted_devices=len(coordinator.round.folded),
             round=coordinator.round.number,
             rounds_planned=coordinator.config.rounds,

@@ -88,7 +88,7 @@ def test_scrape_after_a_round_reports_devices_rounds_refusals_bytes_and_accuracy
         metrics.close()
     assert c.round.number == 2
     assert got[("fedper_devices_registered", ())] == 3 and got[("fedper_devices_online", ())] == 2
-    assert got[("fedper_devices_invited", ())] == 3  # every registered device, until selection (issue 17 item 1)
+    assert got[("fedper_devices_invited", ())] == 3  # no --clients-per-round: every registered device
     assert got[("fedper_round", ())] == 2 and got[("fedper_rounds_planned", ())] == 3
     assert got[("fedper_rounds_closed_total", ())] == 1 and got[("fedper_run_finished", ())] == 0
     assert got[("fedper_round_accepted_devices", ())] == 0 and got[("fedper_updates_accepted_total", ())] == 3
@@ -106,6 +106,20 @@ def test_scrape_after_a_round_reports_devices_rounds_refusals_bytes_and_accuracy
     assert 0 < got[("fedper_fold_seconds_sum", ())] == pytest.approx(c.fold_seconds)
     dashboard_names = {n for q in dashboard_queries() for n in re.findall(r"fedper_\w+", q)}
     assert dashboard_names and dashboard_names <= {name for name, _ in got}  # the dashboard shows what is served
+
+
+def test_invited_devices_is_the_rounds_invitation_when_selecting(tmp_path: Path) -> None:
+    config = Config(rounds=2, min_clients=1, round_timeout=10.0, clients_per_round=2, over_select=1.5)
+    c = Coordinator(MANIFEST, tiny_tensors(), TOPICS, config, Store(tmp_path))
+    metrics = CoordinatorMetrics()
+    c.start(0.0)
+    for device in ("a", "b", "c", "d", "e"):
+        c.handle(TOPICS.register(device), Register(10, MANIFEST.base_digest, "test/1").encode(), 0.1)
+        c.handle(TOPICS.presence(device), b"online", 0.1)
+    c.tick(1.0)  # tops the round up from the devices now online: ceil(1.5 * 2) = 3 of 5
+    metrics.observe(c)
+    assert metrics.registry.get_sample_value("fedper_devices_invited") == 3
+    assert metrics.registry.get_sample_value("fedper_devices_registered") == 5
 
 
 def test_a_resumed_run_keeps_totals_and_counts_only_its_own_rounds_in_histograms(tmp_path: Path) -> None:
