@@ -314,7 +314,7 @@ class UpdateMeta(Message):
     n_samples: int = field(metadata=bounded(1))
     base_digest: str
     metrics: dict[str, float] = field(default_factory=dict)
-    codec: str = "fp32"  # fedper.compression codec of the blob: fp32, fp16, int8 or int8-delta
+    codec: str = "fp32"  # fedper.compression.CODECS: the codec of the blob
     _optional: ClassVar[frozenset[str]] = frozenset({"metrics", "codec"})
 
 
