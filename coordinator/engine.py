@@ -156,7 +156,9 @@ class Coordinator:
         self._published_blob: tuple[str, int] | None = None  # retained chunks to clear when the model changes
         self._state_dirty = True
         self._last_state = -1e18
-        self._registry_dirty = False  # a registration changed since the last checkpoint
+        self._registry_dirty = False  # a registration changed since the registry file was last written
+        self._registry_file: str | None = None  # the registry file state.json names (None: nobody registered)
+        self._written_registry: dict[str, Registration] = {}  # what that file holds
         self._last_registry_commit = -1e18
         self._last_top_up = -1e18
         self._files = _Files()
@@ -174,8 +176,8 @@ class Coordinator:
         selecting = self.selecting and not self.finished and not self.round.selected
         if selecting:
             self._select()
-        if fresh or selecting:
-            self._commit()
+        if fresh or selecting or self._registry_dirty:  # dirty here: a registry migrated out of state.json
+            self._commit(registry=True)
         self._opened_at = now
         self._deadline = now + self.config.round_timeout
         return self.announce(now)
@@ -187,7 +189,13 @@ class Coordinator:
                              f"{saved.get('base_digest')}): use a fresh --state-dir")
         self.model = decode_shared(self.manifest, encode_shared(self.manifest, self.store.read_tensors(saved["model"])))
         self._files.model = saved["model"]
-        self.registered = {device: Registration(**entry) for device, entry in saved["registered"].items()}
+        registry = self.store.load_registry(saved)
+        self.registered = {device: Registration(**entry) for device, entry in registry.items()}
+        self._registry_file = saved.get("registry")
+        self._written_registry = dict(self.registered) if self._registry_file else {}
+        if "registry" not in saved:  # written before the registry had its own file: start() moves it there
+            log.info("migrating %d registration(s) from %s into a registry file", len(self.registered), self.store.dir)
+            self._registry_dirty = True
         self.counters = Counter(saved["counters"])
         self.finished = saved["finished"]
         r = saved["round"]
@@ -265,7 +273,7 @@ class Coordinator:
             out += self._top_up()
         if self._registry_dirty and now - self._last_registry_commit >= self.config.state_interval:
             self._last_registry_commit = now  # registrations are checkpointed at this pace, however often they
-            self._commit()  # change: a device re-registering in a loop must not buy an fsync per message
+            self._commit(registry=True)  # change: a device re-registering in a loop must not buy an fsync each
         if self._state_dirty and now - self._last_state >= self.config.state_interval:
             out.append(self.state_message(now))
         return out
@@ -358,7 +366,7 @@ class Coordinator:
         else:
             files.updates[device] = self.store.write_bytes(f"update-r{k}-{device}.safetensors", blob)
         self.counters["accepted"] += 1
-        self._commit()
+        self._commit(registry=self._written_registry.get(device) != self.registered.get(device))  # see _commit
         self.fold_seconds += time.perf_counter() - started
         log.debug("round %d: accepted %s (%d samples, accuracy %s) [%d/%d]", k, device, n_samples,
                  metrics.get("accuracy", "n/a"), len(self.round.folded), self.invited_count)
@@ -478,7 +486,7 @@ class Coordinator:
         self._files = _Files(self.store.write_tensors(f"model-r{closed.number + 1}.safetensors", self.model))
         if self.finished:
             self.store.write_tensors(FINAL_FILE, self.model)
-        self._commit()
+        self._commit(registry=True)  # once a round, registrations changed since the last tick go with it
         self.store.append_metrics(record)
         log.info("round %d closed: %d participant(s), %d samples, accuracy %.4f ± %.4f, %.1f KiB received",
                  closed.number, record["participants"], record["n_samples"], record["accuracy_mean"] or 0.0,
@@ -509,8 +517,16 @@ class Coordinator:
             **({"invited": len(closed.invited)} if self.selecting else {}),
         }
 
-    def _commit(self) -> None:
-        self._registry_dirty = False
+    def _commit(self, registry: bool = False) -> None:
+        """Make the open round current in state.json; with `registry`, first write the registry file if a
+        registration changed. Only then is the commit O(fleet), so an accepted update asks for it only when
+        its own device's registration is not in the file yet (a restart then knows every folded device):
+        otherwise its commit is O(round + model) whatever the fleet's size."""
+        if registry and self._registry_dirty:
+            self._registry_file = self.store.write_registry(
+                {device: asdict(entry) for device, entry in self.registered.items()})
+            self._written_registry = dict(self.registered)
+            self._registry_dirty = False
         r = self.round
         selection = {"selection": {"seed": self.config.selection_seed, "invite_cap": r.invite_cap,
                                    "invited": sorted(r.invited)}} if r.selected else {}
@@ -521,7 +537,7 @@ class Coordinator:
             "model": self._files.model,
             "partial": self._files.partial,
             "updates": self._files.updates,
-            "registered": {device: asdict(entry) for device, entry in self.registered.items()},
+            "registry": self._registry_file,
             "counters": dict(self.counters),
             "finished": self.finished,
             "base_digest": self.digest,

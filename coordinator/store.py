@@ -1,13 +1,16 @@
 """The coordinator's state directory: atomic files, and state.json as the single commit point.
 
 Every file is written by fedper.checkpoint (temporary name, fsync, os.replace, fsync of the
-directory). Tensor files (safetensors) get a new name per version and state.json, written last,
-says which ones are current, so a kill at any instant leaves either the old or the new checkpoint
-whole.
+directory). Tensor files (safetensors) and the registry (registry-<content hash>.json) get a new
+name per version and state.json, written last, says which ones are current, so a kill at any
+instant leaves either the old or the new checkpoint whole. The registry (every registered device)
+has its own file so that state.json, committed per accepted update, grows with the round and not
+with the fleet.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterator, Mapping
@@ -22,6 +25,7 @@ from fedper import checkpoint
 STATE_FILE = "state.json"
 METRICS_FILE = "metrics.jsonl"
 FINAL_FILE = "final.safetensors"
+REGISTRY_PREFIX = "registry-"
 
 
 class CheckpointError(RuntimeError):
@@ -51,10 +55,27 @@ class Store:
         path = self.dir / STATE_FILE
         with _writing(path):
             checkpoint.write_json(path, state, indent=1)
-        keep = {v for v in _file_refs(state)}
-        for path in self.dir.glob("*.safetensors"):
+        keep = set(_file_refs(state))
+        for path in [*self.dir.glob("*.safetensors"), *self.dir.glob(f"{REGISTRY_PREFIX}*.json")]:
             if path.name not in keep and path.name != FINAL_FILE:
                 path.unlink(missing_ok=True)
+
+    def write_registry(self, registry: Mapping[str, Any]) -> str:
+        """`registry` as a file named by its content, for a later commit to name; a registry already
+        written (the same content) is not written again."""
+        data = json.dumps(registry, sort_keys=True, separators=(",", ":")).encode()
+        path = self.dir / f"{REGISTRY_PREFIX}{hashlib.sha256(data).hexdigest()[:16]}.json"
+        if not path.exists():
+            with _writing(path):
+                checkpoint.atomic_write(path, data)
+        return path.name
+
+    def load_registry(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """The registered devices of a committed `state`: the registry file it names (None: nobody), or,
+        in a state.json written before the registry had a file of its own, its inline `registered`."""
+        if "registry" not in state:
+            return dict(state["registered"])
+        return checkpoint.read_json(self.dir / state["registry"]) if state["registry"] else {}
 
     def write_tensors(self, name: str, tensors: Mapping[str, np.ndarray]) -> str:
         path = self.dir / name
@@ -86,9 +107,10 @@ class Store:
 
 
 def _file_refs(state: dict[str, Any]) -> list[str]:
-    """Every *.safetensors name that a state mentions, however deep."""
+    """Every tensor file (*.safetensors) and registry file name that a state mentions, however deep."""
     if isinstance(state, dict):
         return [r for v in state.values() for r in _file_refs(v)]
     if isinstance(state, list):
         return [r for v in state for r in _file_refs(v)]
-    return [state] if isinstance(state, str) and state.endswith(".safetensors") else []
+    named = isinstance(state, str) and (state.endswith(".safetensors") or state.startswith(REGISTRY_PREFIX))
+    return [state] if named else []
