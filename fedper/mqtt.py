@@ -2,8 +2,10 @@
 and the one receive loop both run.
 
 Clients keep a persistent session (clean_session=False / clean_start=False with a session
-expiry), so QoS 1 messages sent while a peer is briefly away wait for it at the broker, and
-paho reconnects on its own with exponential backoff.
+expiry), so QoS 1 messages sent while a peer is briefly away wait for it at the broker. paho's
+network thread reconnects; a `Session` draws each wait from its `Backoff` (docs/protocol.md,
+section 1.1): full jitter, and for a device a spread window after a lost connection, so a fleet
+that lost its broker at once does not come back at once (paho's own backoff has no jitter).
 
 `Session` is the receive loop: paho's network thread only puts what arrives (each message, and a
 `Connected` marker after every connect) on a queue, and the one thread that calls `receive` owns
@@ -14,9 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import random
 import ssl
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from types import TracebackType
 from urllib.parse import urlparse
 
@@ -96,6 +100,41 @@ class BrokerRefused(RuntimeError):
     """The broker turned the client away (bad credentials, not authorized): retrying cannot help."""
 
 
+@dataclass
+class Backoff:
+    """Reconnect delays with full jitter (docs/protocol.md, section 1.1): every delay is drawn
+    uniformly from [0, bound]. After an established connection is lost, the first attempt waits
+    within [0, spread_s]; after the n-th failed attempt, within [0, min(cap_s, base_s * 2**n)].
+    A successful connect starts over. `rng`: seeded per process by default; seeded in tests."""
+
+    spread_s: float
+    base_s: float = 1.0
+    cap_s: float = 60.0
+    rng: random.Random = field(default_factory=random.Random)
+    failures: int = 0
+
+    @classmethod
+    def device(cls, spread_s: float = 30.0) -> Backoff:
+        """A fleet member: 10,000 devices spread over 30 s arrive at about 330 a second."""
+        return cls(spread_s=spread_s)
+
+    @classmethod
+    def coordinator(cls) -> Backoff:
+        """The one client a round waits for: it tries again at once, and at most 10 s apart."""
+        return cls(spread_s=0.0, cap_s=10.0)
+
+    def after_loss(self) -> float:
+        self.failures = 0
+        return self.rng.uniform(0.0, self.spread_s)
+
+    def after_failure(self) -> float:
+        self.failures += 1
+        return self.rng.uniform(0.0, min(self.cap_s, self.base_s * 2.0 ** min(self.failures, 62)))
+
+    def connected(self) -> None:
+        self.failures = 0
+
+
 @dataclass(frozen=True)
 class Connected:
     """(Re)connected and subscribed: the role announces itself again (a broker may have lost its state)."""
@@ -117,20 +156,27 @@ class _Refused:
 class Session:
     """A started paho client and its inbox, from connect to a clean disconnect (use it with `with`).
 
-    subscriptions: (topic filter, QoS) pairs, subscribed on every connect. farewell: (topic,
-    payload) published retained at QoS 1, and waited for, before a clean disconnect (the broker
-    sends the last will only when a client vanishes). log: where "lost the broker" goes.
+    subscriptions: (topic filter, QoS) pairs, subscribed on every connect; `subscribe_only`
+    changes them. farewell: (topic, payload) published retained at QoS 1, and waited for, before a
+    clean disconnect (the broker sends the last will only when a client vanishes). log: where "lost
+    the broker" goes. backoff: how long paho waits before each reconnect attempt (default: the
+    coordinator's prompt one).
     """
 
     def __init__(self, client: mqtt.Client, broker: BrokerUrl, subscriptions: Sequence[tuple[str, int]], *,
-                 log: Callable[[str], None], farewell: tuple[str, bytes] | None = None) -> None:
+                 log: Callable[[str], None], farewell: tuple[str, bytes] | None = None,
+                 backoff: Backoff | None = None) -> None:
         self.client, self.broker = client, broker
-        self._subscriptions = list(subscriptions)
+        self._subscriptions = dict(subscriptions)
+        self._subscribed = threading.Lock()  # the subscriptions, between the caller and paho's on_connect
         self._log, self._farewell = log, farewell
+        self._backoff = backoff or Backoff.coordinator()
+        self._established = False
         self._inbox: queue.Queue[Connected | Received | _Refused] = queue.Queue()
         self._closing = False
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
+        client.on_connect_fail = lambda client, userdata: self._wait_before_next(self._backoff.after_failure())
         client.on_message = lambda client, userdata, msg: self._inbox.put(
             Received(msg.topic, bytes(msg.payload), msg.mid, msg.qos))
         connect_async(client, broker)
@@ -140,13 +186,42 @@ class Session:
             self._closing = True  # `receive` raises BrokerRefused: paho's disconnect that follows is no news
             self._inbox.put(_Refused(str(reason)))
             return
-        client.subscribe(self._subscriptions)
+        self._backoff.connected()
+        self._established = True
+        with self._subscribed:
+            if self._subscriptions:
+                client.subscribe(list(self._subscriptions.items()))
         self._inbox.put(Connected())
 
     def _on_disconnect(self, client: mqtt.Client, userdata: object, flags: object, reason: object,
                        props: object) -> None:
-        if not self._closing:
-            self._log(f"lost the broker ({reason}): reconnecting")
+        if self._closing:
+            return
+        if self._established:  # a connection that worked is gone: come back within the spread window
+            self._established = False
+            delay = self._backoff.after_loss()
+            self._log(f"lost the broker ({reason}): reconnecting in {delay:.1f} s")
+        else:  # an attempt that got no CONNACK
+            delay = self._backoff.after_failure()
+        self._wait_before_next(delay)
+
+    def _wait_before_next(self, delay: float) -> None:
+        """paho's network thread waits its reconnect delay right after the callback that calls this:
+        min = max makes that wait exactly `delay` (and resets paho's own doubling)."""
+        self.client.reconnect_delay_set(min_delay=delay, max_delay=delay)
+
+    def subscribe_only(self, wanted: Iterable[tuple[str, int]]) -> None:
+        """Make `wanted` the subscriptions, now and on every reconnect: subscribe what is new,
+        unsubscribe what is no longer wanted (e.g. a model's chunks once the device holds it)."""
+        wanted = dict(wanted)
+        with self._subscribed:
+            gone = [topic for topic in self._subscriptions if topic not in wanted]
+            new = [(topic, qos) for topic, qos in wanted.items() if self._subscriptions.get(topic) != qos]
+            self._subscriptions = wanted
+            if gone:
+                self.client.unsubscribe(gone)
+            if new:
+                self.client.subscribe(new)
 
     def receive(self, timeout: float) -> Connected | Received | None:
         """The next message or connect, None after `timeout` seconds of quiet; BrokerRefused when refused."""
