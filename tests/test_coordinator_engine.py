@@ -543,3 +543,78 @@ def test_cli_refuses_inconsistent_selection_options(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["--artifacts", str(artifacts), "--fleet", "lab", "--rounds", "1",
                                       "--state-dir", str(tmp_path / "s"), "--broker", "mqtt://x", "--over-select", "2"])
     assert result.exit_code == 2 and "--over-select needs --clients-per-round" in result.output
+
+
+# ------------------------------------------------------------ the registry's own checkpoint file
+
+
+def registry_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("registry-*.json"))
+
+
+def test_an_accepted_update_commits_the_round_not_the_fleet(tmp_path: Path) -> None:
+    """With 3,000 registered devices, state.json names the registry file instead of holding it, and an
+    accepted update's commit neither grows with the fleet nor rewrites the registry file."""
+    c = make(tmp_path, clients_per_round=2, over_select=1.0, min_clients=2)
+    devices = [f"d{i}" for i in range(3000)]
+    fleet(c, devices)
+    c.start(0.0)
+    c.tick(0.0)
+    [registry] = registry_files(tmp_path)
+    written = registry.stat().st_mtime_ns, registry.stat().st_ino
+    invited = sorted(c.round.invited)
+    state = json.loads((tmp_path / "state.json").read_text())
+    assert state["registry"] == registry.name and "registered" not in state
+    assert len(json.loads(registry.read_text())) == 3000
+    assert send(c, invited[0], shifted(1.0), 10, now=1.0) == [] and invited[0] in c.round.folded
+    assert (tmp_path / "state.json").stat().st_size < 2_000  # a few hundred bytes: the round, not 3,000 devices
+    assert registry_files(tmp_path) == [registry] and (registry.stat().st_mtime_ns, registry.stat().st_ino) == written
+    register(c, "late", 7)  # a change: written at the tick's pace, the old file deleted by that commit
+    c.tick(1.0)
+    [newer] = registry_files(tmp_path)
+    assert newer != registry and json.loads(newer.read_text())["late"]["n_samples"] == 7
+    resumed = make(tmp_path, clients_per_round=2, over_select=1.0, min_clients=2)
+    assert len(resumed.registered) == 3001 and set(resumed.round.folded) == {invited[0]}
+
+
+def test_a_folded_devices_registration_is_checkpointed_with_its_update(tmp_path: Path) -> None:
+    """A device that registered and answered between two ticks: its update's commit also writes the
+    registry, so a restart never holds an update from a device it does not know."""
+    c = make(tmp_path)
+    c.start(0.0)
+    register(c, "a", 10)
+    send(c, "a", shifted(1.0), 10)
+    resumed = make(tmp_path)
+    assert resumed.registered == {"a": Registration(10, "test/1")} and set(resumed.round.folded) == {"a"}
+
+
+def test_a_state_json_with_the_registry_inline_is_migrated_at_start(tmp_path: Path) -> None:
+    """A state directory written before the registry had its own file (state.json's `registered`):
+    the restart resumes it whole, and its first commit moves the registry into a file."""
+    c = make(tmp_path)
+    c.start(0.0)
+    register(c, "a", 10)
+    register(c, "b", 30)
+    c.tick(0.0)
+    send(c, "a", shifted(1.0), 10)
+    state_path = tmp_path / "state.json"
+    old = json.loads(state_path.read_text())
+    [registry] = registry_files(tmp_path)
+    old["registered"] = json.loads(registry.read_text())  # the layout of the earlier release, by hand
+    del old["registry"]
+    registry.unlink()
+    state_path.write_text(json.dumps(old))
+
+    c = make(tmp_path)
+    assert set(c.registered) == {"a", "b"} and set(c.round.folded) == {"a"}
+    c.start(5.0)
+    migrated = json.loads(state_path.read_text())
+    assert "registered" not in migrated
+    assert json.loads((tmp_path / migrated["registry"]).read_text()) == {
+        "a": {"n_samples": 10, "software": "test/1"}, "b": {"n_samples": 30, "software": "test/1"}}
+    send(c, "b", shifted(3.0), 30, now=6.0)
+    c.tick(7.0)
+    expected = {k: (v * 10 + shifted(3.0)[k] * 30) / 40 for k, v in shifted(1.0).items()}
+    for name, value in expected.items():
+        np.testing.assert_allclose(c.model[name], value, rtol=1e-6)
+    assert set(make(tmp_path).registered) == {"a", "b"}
