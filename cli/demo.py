@@ -25,6 +25,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from fedper.algorithms import get_algorithm
+
 console = Console(stderr=True)
 
 
@@ -185,7 +187,8 @@ def demo(
     batch_size: int = typer.Option(32, min=2, help="Local batch size."),
     lr: float = typer.Option(0.05, min=0.0, help="SGD learning rate."),
     width: float = typer.Option(0.5, min=0.05, help="MobileNet-v1 width multiplier."),
-    kp: int = typer.Option(2, min=1, max=4, help="FedPer's head blocks K_P (FedAvg is K_P=0)."),
+    kp: int = typer.Option(get_algorithm("fedper").default_kp, min=1, max=4,
+                           help="FedPer's head blocks K_P (FedAvg is K_P=0)."),
     max_samples: int = typer.Option(2000, min=10, help="Use at most this many images in all."),
     seed: int = typer.Option(0, help="Seed of the split, the weights and the batch order."),
     out: Path = typer.Option(Path("runs/demo"), help="Where logs, artifacts, results.json and demo.png go."),

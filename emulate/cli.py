@@ -23,7 +23,8 @@ def run(
     model: str = typer.Option("mobilenet_v1", help="mobilenet_v1 | resnet34"),
     width: float = typer.Option(1.0, help="Width multiplier of the model"),
     algorithm: str = typer.Option("fedper", help="fedavg | fedper | fedper-ft | fedbabu | fedrep | lg-fedavg"),
-    kp: int | None = typer.Option(None, help="K_P: head blocks counted from the output (default 2; fedavg 0)"),
+    kp: int | None = typer.Option(None, help="K_P: head blocks counted from the output (default: the algorithm's "
+                                              "paper: fedper, fedper-ft, lg-fedavg 2; fedbabu, fedrep 1; fedavg 0)"),
     clients: int | None = typer.Option(None, help="Number of clients N (default: 10, FLICKR-AES 30)"),
     classes_per_client: int = typer.Option(4, help="k: classes each client may sample (partition 'classes')"),
     partition: str = typer.Option("classes", help="classes (the paper's k-class split) | shards | dirichlet"),
@@ -64,7 +65,7 @@ def run(
         if world_size < 1 or (launched and world_size > 1):
             raise ValueError("--world-size must be >= 1, and 1 under torchrun (which starts the processes itself)")
         if kp is None:
-            kp = 0 if get_algorithm(algorithm).requires_kp0 else 2
+            kp = get_algorithm(algorithm).default_kp
         config = RunConfig(
             data=DataConfig(
                 dataset=dataset, data=str(data) if data else None, clients=clients or PAPER_CLIENTS.get(dataset, 10),

@@ -22,7 +22,9 @@ def _fail(message: str) -> None:
 def export(
     ctx: typer.Context,
     model: str = typer.Option(None, "--model", help="Architecture: mobilenet_v1 or resnet34."),
-    kp: int = typer.Option(None, "--kp", help="Head blocks counted from the output (1 = classifier only; 0 = FedAvg)."),
+    kp: int = typer.Option(
+        None, "--kp", help="Head blocks counted from the output (1 = classifier only; 0 = FedAvg). Default: the "
+        "algorithm's paper: fedper, fedper-ft, lg-fedavg 2; fedbabu, fedrep 1; fedavg 0."),
     num_classes: int = typer.Option(None, "--num-classes", min=1, help="Number of output classes."),
     input_size: int = typer.Option(32, "--input-size", min=32, help="Input size in pixels: 32 (CIFAR) or 224."),
     width: float = typer.Option(1.0, "--width", help="Width multiplier (MobileNet-v1's alpha)."),
@@ -41,16 +43,19 @@ def export(
     """Export training artifacts (the default command): see the options below."""
     if ctx.invoked_subcommand is not None:
         return
-    missing = [flag for flag, value in (("--model", model), ("--kp", kp), ("--num-classes", num_classes),
-                                         ("--out", out)) if value is None]
+    missing = [flag for flag, value in (("--model", model), ("--num-classes", num_classes), ("--out", out))
+               if value is None]
     if missing:
         _fail(f"missing option(s) {', '.join(missing)}")
     from rich.progress import Progress
 
+    from fedper.algorithms import get_algorithm
     from fedper.export.exporter import export_artifacts
 
     names = tuple(name.strip() for name in classes.split(",") if name.strip())
     try:
+        if kp is None:
+            kp = get_algorithm(algorithm).default_kp
         with Progress(transient=True) as bar:
             task = bar.add_task("exporting", total=None)
             manifest = export_artifacts(

@@ -37,6 +37,8 @@ class Algorithm:
     fine_tune_head_at_eval: bool = False  # FedBABU: the head is fine-tuned on the device before it is evaluated
     requires_kp0: bool = False
     source: str = ""
+    default_kp: int = 2  # K_P when a command names none: the head of the algorithm's paper
+    kp_fixed: bool = False  # refuse any other K_P than default_kp (FedBABU: see check_kp)
 
     @property
     def trained_kinds(self) -> frozenset[Trained]:
@@ -48,11 +50,14 @@ class Algorithm:
 ALGORITHMS: dict[str, Algorithm] = {
     a.name: a
     for a in (
-        Algorithm("fedavg", "base", (Phase("all"),), requires_kp0=True, source="McMahan et al. 2017"),
+        Algorithm("fedavg", "base", (Phase("all"),), requires_kp0=True, source="McMahan et al. 2017", default_kp=0),
         Algorithm("fedper", "base", (Phase("all"),), source="Arivazhagan et al. 2019, Alg. 1-2"),
         Algorithm("fedper-ft", "base", (Phase("head", 1), Phase("all")), source="Arivazhagan et al. 2019, A.3"),
-        Algorithm("fedbabu", "base", (Phase("base"),), fine_tune_head_at_eval=True, source="Oh et al. 2022"),
-        Algorithm("fedrep", "base", (Phase("head"), Phase("base", 1)), source="Collins et al. 2021"),
+        # both papers' head is the last linear layer (K_P=1); FedRep's rule is defined for any split, so an
+        # explicit larger K_P is an ablation it allows, while FedBABU's frozen head is the classifier only
+        Algorithm("fedbabu", "base", (Phase("base"),), fine_tune_head_at_eval=True, source="Oh et al. 2022",
+                  default_kp=1, kp_fixed=True),
+        Algorithm("fedrep", "base", (Phase("head"), Phase("base", 1)), source="Collins et al. 2021", default_kp=1),
         Algorithm("lg-fedavg", "head", (Phase("all"),), source="Liang et al. 2020"),
     )
 }
@@ -66,8 +71,18 @@ def get_algorithm(name: str) -> Algorithm:
 
 
 def check_kp(algorithm: Algorithm, kp: int) -> None:
-    """FedAvg is FedPer with K_P=0; every other algorithm needs a head to keep (or to share)."""
+    """FedAvg is FedPer with K_P=0; every other algorithm needs a head to keep (or to share).
+
+    FedBABU is refused at any K_P but 1: its head is the classifier, kept at its random
+    initialization during training; a larger frozen head would put random feature layers, untrained
+    by the federation, between the federated body and the classifier, which is another method."""
     if algorithm.requires_kp0 and kp != 0:
         raise ValueError(f"{algorithm.name} shares every layer: it needs K_P=0, got K_P={kp}")
     if not algorithm.requires_kp0 and kp == 0:
         raise ValueError(f"{algorithm.name} needs a head: K_P must be >= 1 (K_P=0 is FedAvg)")
+    if algorithm.kp_fixed and kp != algorithm.default_kp:
+        raise ValueError(
+            f"{algorithm.name} needs K_P={algorithm.default_kp}, got K_P={kp}: its head is the classifier alone "
+            f"({algorithm.source}), frozen at its random initialization during training; a larger frozen head would "
+            f"keep random layers, untrained by the federation, between the body and the classifier: another method"
+        )
