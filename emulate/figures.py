@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from fedper.algorithms import get_algorithm
 from fedper.data import DataError
 from fedper.emulate.data import PAPER_BATCH, PAPER_CLIENTS, DataConfig
 from fedper.emulate.experiment import CONFIG, METRICS, STATE, SUMMARY, RunConfig, run_experiment
@@ -35,15 +36,18 @@ class Spec:
     dataset: str  # the paper's dataset for this figure
     curves: tuple[Curve, ...]
     band: bool = False  # shade the per-client spread (min..max) around the mean
+    also_on: tuple[str, ...] = ()  # the paper's other datasets for this figure: --dataset picks them, not substitutes
 
 
 def _alg(fleet: FleetConfig, algorithm: str, kp: int | None = None) -> FleetConfig:
-    return replace(fleet, algorithm=algorithm, kp=0 if algorithm == "fedavg" else (kp or fleet.kp))
+    """`kp` None: the head of the algorithm's paper (registry default_kp); FedAvg is always K_P=0."""
+    chosen = get_algorithm(algorithm)
+    return replace(fleet, algorithm=algorithm, kp=0 if chosen.requires_kp0 else (kp or chosen.default_kp))
 
 
 def _specs(data: DataConfig, fleet: FleetConfig) -> dict[str, Spec]:
     """Every figure from a base data and fleet config (the paper's settings unless overridden)."""
-    def vs(models, ks, algorithms, kp=2, d=data, model_in_label=False):
+    def vs(models, ks, algorithms, kp=None, d=data, model_in_label=False):
         return tuple(
             Curve(f"{m}, k={k}" if len(ks) > 1 else m, a if not model_in_label else f"{a} ({m})",
                   replace(d, classes_per_client=k), _alg(replace(fleet, model=m), a, kp))
@@ -62,7 +66,8 @@ def _specs(data: DataConfig, fleet: FleetConfig) -> dict[str, Spec]:
         "fig5-6": Spec("Base replaced by one linear layer", "cifar10",
                        vs(("linear_base",), (4, 10), ("fedavg", "fedper"), kp=1)),
         "fig7-8": Spec("FLICKR-AES", "flickr-aes", vs(MODELS, (k,), ("fedavg", "fedper"))),
-        "a3": Spec("Head fine-tuning (appendix A.3)", "cifar10", vs(MODELS, (k,), ("fedper", "fedper-ft"))),
+        "a3": Spec("Head fine-tuning (appendix A.3)", "cifar100", vs(MODELS, (k,), ("fedper", "fedper-ft")),
+                   also_on=("flickr-aes",)),
         "babu": Spec("FedBABU setting (CIFAR-100, shards)", "cifar100",
                      vs(MODELS[:1], (k,), ("fedavg", "fedper", "fedbabu", "fedrep", "lg-fedavg"), kp=1, d=cifar100)),
     }
@@ -148,6 +153,11 @@ def _history(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines() if line.strip()]
 
 
+def dataset_tag(spec: Spec, dataset: str) -> str:
+    """The data a figure was drawn from, for its title: named a substitute when the paper has no such figure on it."""
+    return dataset if dataset in (spec.dataset, *spec.also_on) else f"{dataset}, a substitute for {spec.dataset}"
+
+
 def _draw(spec: Spec, runs: list[tuple[Curve, list[dict]]], png: Path, dataset: str) -> None:
     import matplotlib
 
@@ -175,7 +185,7 @@ def _draw(spec: Spec, runs: list[tuple[Curve, list[dict]]], png: Path, dataset: 
         ax.set_ylabel("mean test accuracy")
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    fig.suptitle(f"{spec.title} [{dataset}]", fontsize=11)
+    fig.suptitle(f"{spec.title} [{dataset_tag(spec, dataset)}]", fontsize=11)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=80)
