@@ -202,6 +202,43 @@ def test_figure_without_its_dataset_says_which_is_missing(tmp_path):
     assert result.exit_code == 2 and "unknown figure" in result.output
 
 
+@pytest.mark.parametrize(("algorithm", "kp"), [("fedbabu", 1), ("fedrep", 1), ("fedper", 2)])
+def test_run_without_kp_takes_the_head_of_the_algorithms_paper(tmp_path, algorithm, kp):
+    """FedBABU's and FedRep's head is the classifier (K_P=1); FedPer's figures use K_P=2."""
+    out = tmp_path / algorithm
+    result = CliRunner().invoke(app, [
+        "run", "--algorithm", algorithm, "--dataset", "digits", "--clients", "2", "--classes-per-client", "2",
+        "--input-size", "16", "--width", "0.25", "--local-epochs", "1", "--batch-size", "16", "--rounds", "1",
+        "--scale", "0.2", "--device", "cpu", "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert RunConfig.from_json((out / "config.json").read_text()).fleet.kp == kp
+    assert f"K_P={kp}" in result.output
+
+
+def test_fedbabu_refuses_a_head_larger_than_the_classifier(tmp_path):
+    result = CliRunner().invoke(app, ["run", "--algorithm", "fedbabu", "--kp", "2", "--dataset", "digits",
+                                      "--out", str(tmp_path / "x"), "--no-progress"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "fedbabu needs K_P=1, got K_P=2" in result.output and "another method" in result.output
+
+
+def test_figure_a3_runs_on_cifar100_and_names_a_substitute():
+    """The appendix's fine-tuning figures are CIFAR-100 and FLICKR-AES; any other --dataset is labelled."""
+    from fedper.emulate.figures import _specs, dataset_tag
+
+    specs = _specs(DataConfig(), FleetConfig())
+    a3 = specs["a3"]
+    assert a3.dataset == "cifar100"
+    assert {c.fleet.algorithm for c in a3.curves} == {"fedper", "fedper-ft"}
+    assert dataset_tag(a3, "cifar100") == "cifar100" and dataset_tag(a3, "flickr-aes") == "flickr-aes"
+    assert dataset_tag(a3, "cifar10") == "cifar10, a substitute for cifar100"
+
+
+def test_figure_a3_without_data_names_cifar100(tmp_path):
+    result = CliRunner().invoke(app, ["figure", "a3", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "runs on cifar100" in result.output and "--data" in result.output
+
+
 def test_figure_rerun_with_other_settings_recomputes_its_curves(tmp_path):
     """A figure's run directories are reused only for the same settings: with another --lr the
     curves are trained again, not resumed with the old settings."""
