@@ -1,0 +1,277 @@
+"""SecAgg+ (fedper.secagg): the sum is exact up to the documented quantization, dropouts before and after
+masking are recovered, an honest device never reveals both kinds of share of one device, tampered shares
+are refused, fewer than t Shamir shares give nothing, and a device's traffic grows with k, not n.
+
+Every message crosses a serialization boundary (JSON of `to_dict`, safetensors for the masked vector),
+as it would through the coordinator."""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from fedper.secagg import (
+    EncryptedShare,
+    EncryptedShares,
+    KeyAdvert,
+    MaskedInput,
+    NeighbourKeys,
+    NotEnoughShares,
+    SecAggClient,
+    SecAggConfig,
+    SecAggError,
+    SecAggServer,
+    ShareDecryptionError,
+    UnmaskRefused,
+    UnmaskRequest,
+    UnmaskResponse,
+    quantization_scale,
+    quantize,
+    reconstruct,
+    shamir_combine,
+    shamir_split,
+    wire_size,
+)
+
+
+def through_wire(message, traffic: dict[int, int], device: int):
+    """The message as the other side decodes it; its bytes counted against `device`."""
+    traffic[device] = traffic.get(device, 0) + wire_size(message)
+    if isinstance(message, MaskedInput):
+        return MaskedInput.from_safetensors(message.to_safetensors())
+    return type(message).from_dict(json.loads(json.dumps(message.to_dict())))
+
+
+def run_round(config: SecAggConfig, vectors: np.ndarray, *, gone_before_keys=(), gone_before_shares=(),
+              gone_before_input=(), gone_before_unmask=(), rng=None):
+    """One round over all devices; a device in a `gone_before_*` set vanishes before sending that stage's
+    message. Returns the server's result and each device's bytes (up and down, the masked vector included)."""
+    clients = [SecAggClient(config, u) for u in range(config.devices)]
+    server = SecAggServer(config)
+    traffic: dict[int, int] = {}
+    keys = server.neighbour_keys(through_wire(c.advertise(), traffic, c.device) for c in clients
+                                 if c.device not in gone_before_keys)
+    bundles = [through_wire(clients[u].share_keys(through_wire(m, traffic, u)), traffic, u)
+               for u, m in keys.items() if u not in gone_before_shares]
+    inbox = server.relay_shares(bundles)
+    masked = [through_wire(clients[u].masked_input(through_wire(m, traffic, u), vectors[u], rng), traffic, u)
+              for u, m in inbox.items() if u not in gone_before_input]
+    requests = server.unmask_requests(masked)
+    responses = [through_wire(clients[u].unmask(through_wire(m, traffic, u)), traffic, u)
+                 for u, m in requests.items() if u not in gone_before_unmask]
+    return server.aggregate(responses), traffic
+
+
+def quantization_bound(config: SecAggConfig, count: int, stochastic: bool = False) -> float:
+    """The largest error per coordinate of the sum of `count` devices: half a step each (nearest), or a step."""
+    step = 1 / quantization_scale(config.clip, config.value_bits)
+    return count * step * (1.0 if stochastic else 0.5) + 1e-9
+
+
+def test_sum_equals_numpy_sum_up_to_quantization() -> None:
+    config = SecAggConfig.create(round=3, devices=10, length=500, clip=1.0)
+    vectors = np.random.default_rng(0).uniform(-1, 1, (10, 500))
+    result, _ = run_round(config, vectors)
+    assert result.survivors == tuple(range(10))
+    error = np.abs(result.sum - vectors.sum(axis=0)).max()
+    assert error <= quantization_bound(config, 10)
+    assert error > 0  # quantization is real; the test would notice an exact-float shortcut
+
+    stochastic, _ = run_round(config, vectors, rng=np.random.default_rng(1))
+    assert np.abs(stochastic.sum - vectors.sum(axis=0)).max() <= quantization_bound(config, 10, stochastic=True)
+
+
+def test_values_are_clipped_before_quantization_and_nan_stays_on_the_device() -> None:
+    config = SecAggConfig.create(round=1, devices=4, length=3, clip=0.5)
+    vectors = np.array([[2.0, -3.0, 0.1]] * 4)
+    result, _ = run_round(config, vectors)
+    np.testing.assert_allclose(result.sum, [2.0, -2.0, 0.4], atol=quantization_bound(config, 4))
+    with pytest.raises(ValueError, match="NaN"):
+        quantize(np.array([0.0, np.nan]), 1.0, 20)
+
+
+def keeps_threshold(config: SecAggConfig, sharers: set[int], answering: set[int]) -> bool:
+    """The documented condition for a round to close: every contributor and every device that dropped
+    after sharing keeps t neighbours that answer stage 4."""
+    return all(len(answering & set(config.neighbours(u))) >= config.threshold for u in sharers)
+
+
+@pytest.mark.parametrize(("degree", "majority"), [(29, True), (None, False)],
+                         ids=["complete-graph-majority-t", "sparse-graph-third-t"])
+def test_thirty_percent_vanishing_after_masking_and_some_before_still_give_the_right_sum(degree, majority) -> None:
+    """1 device gone before stage 1, 1 before 2, 1 before 3, and 9 (30 %) after sending the masked input.
+    With the majority threshold that needs about the complete graph at n = 30; the sparse default graph
+    (k = 16) tolerates it with t = k/3 + 1, the semi-honest setting (docs/privacy.md)."""
+    probe = SecAggConfig.create(round=7, devices=30, length=64, clip=1.0, degree=degree, graph_seed=11)
+    config = probe if majority else replace(probe, threshold=probe.degree // 3 + 1)
+    assert (config.degree == 29) == majority
+    vectors = np.random.default_rng(2).uniform(-1, 1, (30, 64))
+    for seed in range(20):  # the first random pattern the graph tolerates (most do)
+        order = np.random.default_rng(seed).permutation(30).tolist()
+        if keeps_threshold(config, sharers=set(order[2:]), answering=set(order[12:])):
+            break
+    else:
+        pytest.fail("no tolerated dropout pattern in 20 seeds")
+    result, _ = run_round(config, vectors, gone_before_keys={order[0]}, gone_before_shares={order[1]},
+                          gone_before_input={order[2]}, gone_before_unmask=set(order[3:12]))
+    contributed = sorted(order[3:])
+    assert result.survivors == tuple(contributed) and len(contributed) == 27
+    error = np.abs(result.sum - vectors[contributed].sum(axis=0)).max()
+    assert error <= quantization_bound(config, len(contributed))
+
+
+def test_too_many_dropouts_fail_loudly_rather_than_give_a_wrong_sum() -> None:
+    config = SecAggConfig.create(round=1, devices=12, length=8, clip=1.0, degree=6)
+    vectors = np.zeros((12, 8))
+    gone = set(range(1, 12, 2)) | {2}  # 7 of 12 never answer stage 4: some neighbourhood keeps < t = 4
+    with pytest.raises(NotEnoughShares):
+        run_round(config, vectors, gone_before_unmask=gone)
+
+
+def started_round(devices: int = 6, dropped_after_shares: int | None = None):
+    """Clients and server at stage 4 (complete graph), one device gone before its masked input."""
+    config = SecAggConfig.create(round=2, devices=devices, length=4, clip=1.0)
+    clients = [SecAggClient(config, u) for u in range(devices)]
+    server = SecAggServer(config)
+    keys = server.neighbour_keys(c.advertise() for c in clients)
+    inbox = server.relay_shares(clients[u].share_keys(m) for u, m in keys.items())
+    requests = server.unmask_requests(clients[u].masked_input(m, np.zeros(4)) for u, m in inbox.items()
+                                      if u != dropped_after_shares)
+    return config, clients, server, requests
+
+
+def test_an_honest_device_refuses_to_reveal_both_kinds_of_share_of_one_device() -> None:
+    config, clients, _, requests = started_round(dropped_after_shares=5)
+    assert requests[0].dropped == (5,) and 3 in requests[0].survivors
+    greedy = replace(requests[0], dropped=(3, 5))  # 3 survived: its key share would unmask its input
+    with pytest.raises(UnmaskRefused):
+        clients[0].unmask(greedy)
+
+    # nor across two requests: after giving device 3's self-mask share, its key share is refused
+    clients[1].unmask(requests[1])
+    with pytest.raises(UnmaskRefused):
+        clients[1].unmask(UnmaskRequest(config.round, 1, (), (3,)))
+    assert clients[1].unmask(UnmaskRequest(config.round, 1, (3,), ())).seed_shares  # the same kind again is fine
+
+
+def test_a_tampered_or_misaddressed_share_is_refused() -> None:
+    config = SecAggConfig.create(round=4, devices=5, length=4, clip=1.0)
+    clients = [SecAggClient(config, u) for u in range(5)]
+    server = SecAggServer(config)
+    keys = server.neighbour_keys(c.advertise() for c in clients)
+    inbox = server.relay_shares(clients[u].share_keys(m) for u, m in keys.items())
+    original = inbox[0].shares[0]
+    flipped = bytearray(original.ciphertext)
+    flipped[20] ^= 0x01
+    tampered = EncryptedShares(config.round, 0, (EncryptedShare(original.sender, 0, original.nonce, bytes(flipped)),
+                                                 *inbox[0].shares[1:]))
+    with pytest.raises(ShareDecryptionError):
+        clients[0].masked_input(tampered, np.zeros(4))
+
+    # the server relabels device 2's share as coming from device 3: the associated data no longer matches
+    from_two = next(s for s in inbox[1].shares if s.sender == 2)
+    relabelled = EncryptedShares(config.round, 1, tuple(replace(s, sender=3, ciphertext=from_two.ciphertext,
+                                                                nonce=from_two.nonce) if s.sender == 3 else s
+                                                        for s in inbox[1].shares))
+    with pytest.raises(ShareDecryptionError):
+        clients[1].masked_input(relabelled, np.zeros(4))
+
+
+def test_fewer_than_t_shamir_shares_reveal_nothing() -> None:
+    secret = secrets.randbelow(2**256)
+    shares = shamir_split(secret, threshold=4, xs=range(1, 8))
+    assert shamir_combine({x: shares[x] for x in (2, 3, 5, 7)}) == secret
+    assert shamir_combine(shares) == secret
+    three = {x: shares[x] for x in (1, 4, 6)}
+    assert shamir_combine(three) != secret
+    with pytest.raises(NotEnoughShares):
+        reconstruct(three, threshold=4, device=0, kind="self-mask")
+    # one share of a fresh sharing is uniform: across sharings of the same secret it never repeats
+    assert len({shamir_split(5, 2, [1, 2])[1] for _ in range(50)}) == 50
+
+
+def test_masked_input_hides_the_vector_and_stages_run_once() -> None:
+    config, clients, server, requests = started_round()
+    with pytest.raises(SecAggError):  # a second masked input under the same masks would leak a difference
+        clients[0].masked_input(EncryptedShares(config.round, 0, ()), np.ones(4))
+    with pytest.raises(SecAggError):  # a masked input after the stage closed, or from nobody invited
+        server.unmask_requests([])
+
+    config = SecAggConfig.create(round=9, devices=3, length=20_000, clip=1.0)
+    clients = [SecAggClient(config, u) for u in range(3)]
+    server = SecAggServer(config)
+    keys = server.neighbour_keys(c.advertise() for c in clients)
+    inbox = server.relay_shares(clients[u].share_keys(m) for u, m in keys.items())
+    masked = clients[0].masked_input(inbox[0], np.zeros(20_000)).masked
+    zero = quantize(np.zeros(20_000), config.clip, config.value_bits)
+    assert (masked != zero).mean() > 0.99
+    assert abs(masked.astype(np.float64).mean() / 2**32 - 0.5) < 0.01  # uniform over the whole field
+
+
+def test_the_server_refuses_inputs_outside_the_protocol() -> None:
+    config = SecAggConfig.create(round=2, devices=4, length=4, clip=1.0)
+    clients = [SecAggClient(config, u) for u in range(4)]
+    server = SecAggServer(config)
+    keys = server.neighbour_keys(c.advertise() for c in clients if c.device != 3)
+    inbox = server.relay_shares(clients[u].share_keys(m) for u, m in keys.items())
+    stranger = MaskedInput(config.round, 3, np.zeros(4, dtype=np.uint32))  # never shared its keys
+    with pytest.raises(SecAggError):
+        server.unmask_requests([clients[0].masked_input(inbox[0], np.zeros(4)), stranger])
+    with pytest.raises(SecAggError):
+        SecAggServer(config).neighbour_keys([clients[0].advertise(), replace(clients[1].advertise(), round=1)])
+
+
+def test_messages_round_trip() -> None:
+    advert = KeyAdvert(1, 2, b"\x01" * 32, b"\x02" * 32)
+    for message in (advert, NeighbourKeys(1, 0, (advert,)), EncryptedShares(1, 2, (EncryptedShare(2, 0, b"n" * 12,
+                                                                                                   b"c" * 40),)),
+                    UnmaskRequest(1, 0, (2, 3), (4,)), UnmaskResponse(1, 0, {2: b"s" * 66}, {4: b"k" * 66})):
+        assert type(message).from_dict(json.loads(json.dumps(message.to_dict()))) == message
+    masked = MaskedInput(1, 2, np.arange(10, dtype=np.uint32))
+    for decoded in (MaskedInput.from_safetensors(masked.to_safetensors()), MaskedInput.from_dict(masked.to_dict())):
+        assert (decoded.round, decoded.device) == (1, 2) and np.array_equal(decoded.masked, masked.masked)
+    with pytest.raises(SecAggError):
+        MaskedInput.from_safetensors(b"\x00" * 16)
+    config = SecAggConfig.create(round=5, devices=50, length=7, clip=0.25, graph_seed=3)
+    assert SecAggConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+
+
+def test_the_graph_is_k_regular_and_symmetric() -> None:
+    for devices in (10, 50, 100):
+        config = SecAggConfig.create(round=1, devices=devices, length=1, clip=1.0, graph_seed=devices)
+        assert config.degree == min(devices - 1, 2 * math.ceil(1.5 * math.log2(devices)))
+        for u in range(devices):
+            assert len(config.neighbours(u)) == config.degree and u not in config.neighbours(u)
+            assert all(u in config.neighbours(v) for v in config.neighbours(u))
+
+
+def per_device_bytes(devices: int, degree: int | None) -> tuple[int, float]:
+    """The degree and the mean bytes per device (up and down) of a round with a 16-value vector."""
+    config = SecAggConfig.create(round=1, devices=devices, length=16, clip=1.0, degree=degree, graph_seed=devices)
+    _, traffic = run_round(config, np.zeros((devices, 16)))
+    return config.degree, sum(traffic.values()) / devices
+
+
+def test_per_device_cost_grows_with_k_not_n() -> None:
+    fixed = [per_device_bytes(n, degree=8)[1] for n in (10, 50, 100)]
+    assert max(fixed) / min(fixed) < 1.05  # same k, ten times the devices: the same traffic per device
+
+    grown = {n: per_device_bytes(n, degree=None) for n in (10, 50, 100)}
+    k10, bytes10 = grown[10]
+    k100, bytes100 = grown[100]
+    assert (k10, grown[50][0], k100) == (9, 18, 20)
+    assert bytes100 / bytes10 < 1.3 * k100 / k10 < 100 / 10  # proportional to k, far below n's growth
+
+
+def test_a_100k_vector_sums_exactly_up_to_quantization() -> None:
+    config = SecAggConfig.create(round=1, devices=5, length=100_000, clip=0.1, degree=4)
+    vectors = np.random.default_rng(3).normal(0, 0.03, (5, 100_000))
+    result, traffic = run_round(config, vectors, gone_before_unmask={4})
+    clipped = np.clip(vectors, -0.1, 0.1).sum(axis=0)
+    assert np.abs(result.sum - clipped).max() <= quantization_bound(config, 5)
+    assert all(4 * 100_000 < b < 4 * 100_000 + 4096 for b in traffic.values())  # fp32-sized plus a few KiB
