@@ -196,7 +196,7 @@ def test_fewer_than_t_shamir_shares_reveal_nothing() -> None:
 
 
 def test_masked_input_hides_the_vector_and_stages_run_once() -> None:
-    config, clients, server, requests = started_round()
+    config, clients, server, _ = started_round()
     with pytest.raises(SecAggError):  # a second masked input under the same masks would leak a difference
         clients[0].masked_input(EncryptedShares(config.round, 0, ()), np.ones(4))
     with pytest.raises(SecAggError):  # a masked input after the stage closed, or from nobody invited
