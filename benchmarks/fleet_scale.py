@@ -356,6 +356,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def exited(pid: int) -> bool:
+    """Whether a child exited, leaving it unreaped (WNOWAIT): its rusage is then read by wait4 alone."""
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+
 def peak_rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -408,7 +413,7 @@ async def _monitor(port: int, manifest: Manifest, coordinator: subprocess.Popen[
     await client.connect("127.0.0.1", port)
     await client.subscribe([topics.round, topics.state, f"{topics.base}/model/#", "$SYS/broker/#"])
     deadline = time.monotonic() + timeout
-    while coordinator.poll() is None and time.monotonic() < deadline:
+    while not exited(coordinator.pid) and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
     await asyncio.sleep(1.2)  # the final model's chunks and one more $SYS report
     await client.disconnect()
