@@ -1,13 +1,15 @@
 """Coordinator cost per update and memory as the fleet grows (MobileNet-v1, width 1.0, FedPer K_P=1).
 
-Fold time is a ratio against a raw numpy `acc += update` over the same float32 bytes, measured in
-the same run: WeightedMean.add (the rule the coordinator runs: a float64 sum fed block by block),
-a raw float64 `acc += update64` (what any float64 sum must stream through memory: the floor for
-the rule), the wire decode (chunk checks + reassembly + safetensors + validation), and the
-engine's whole path per update (decode + validate + fold + the checkpoint it writes so a restart
-loses nothing: the blob, or every PARTIAL_EVERY updates the float64 running sum), averaged over
-2 x PARTIAL_EVERY updates. Memory: tracemalloc peak while WeightedMean folds N emulated updates,
-as a multiple of one update's size, and the same for the engine's whole path.
+Times per update, as ratios within the same run against a raw numpy `acc += update` over the same
+float32 tensors and against a raw float64 `acc64 += update64` over the same tensors (what any
+float64 sum must stream through memory: the floor for the rule): WeightedMean.add (the rule the
+coordinator runs: a flat float64 sum fed a group of tensors at a time), the wire decode (chunk
+checks + reassembly + sha256 + safetensors + validation), and the engine's whole path per update
+(decode + validate + fold + the checkpoint it writes so a restart loses nothing: the blob, or every
+PARTIAL_EVERY updates the float64 running sum), averaged over 2 x PARTIAL_EVERY updates (the
+median of a few engines: background load moves single figures).
+Memory: tracemalloc peak while WeightedMean folds N emulated updates, as a multiple of one
+update's size, and the same for the engine's whole path.
 
     python benchmarks/coordinator.py [--quick] [--out runs/bench]
 """
@@ -50,8 +52,9 @@ def mobilenet() -> tuple[Manifest, dict[str, np.ndarray]]:
 def nbytes(tensors: Mapping[str, np.ndarray]) -> int:
     return sum(v.nbytes for v in tensors.values())
 
-def fold_times(manifest: Manifest, base: dict[str, np.ndarray], repeats: int) -> dict[str, float]:
-    """Median seconds per update of each path (the first add, which allocates, is left out)."""
+def fold_times(manifest: Manifest, base: dict[str, np.ndarray], repeats: int, engine_repeats: int) -> dict[str, float]:
+    """Median seconds per update of each path (the first add, which allocates, is left out); the engine's:
+    the median over `engine_repeats` fresh engines of the mean over 2 x PARTIAL_EVERY updates."""
     update = {n: v + np.float32(1e-3) for n, v in base.items()}
     raw = {n: v.copy() for n, v in base.items()}
     raw64, update64 = ({n: v.astype(np.float64) for n, v in t.items()} for t in (base, update))
@@ -80,8 +83,9 @@ def fold_times(manifest: Manifest, base: dict[str, np.ndarray], repeats: int) ->
         for name, fn in paths.items():
             runs[name].append(timed(fn))
     result = {name: median(t) for name, t in runs.items()}
-    per_update = feed_engine(manifest, base, frames, 2 * PARTIAL_EVERY)[0]
-    result["engine: decode + validate + fold + checkpoint"] = sum(per_update) / len(per_update)
+    engine = [sum(t) / len(t) for t in (feed_engine(manifest, base, frames, 2 * PARTIAL_EVERY)[0]
+                                        for _ in range(engine_repeats))]
+    result["engine: decode + validate + fold + checkpoint"] = median(engine)
     return result
 
 def feed_engine(manifest: Manifest, base: dict[str, np.ndarray], frames: list[bytes], devices: int,
@@ -126,8 +130,8 @@ def peak_memory(base: dict[str, np.ndarray], updates: int) -> int:
 def run(out: Path, quick: bool = False) -> str:
     manifest, base = mobilenet()
     size = nbytes(base)
-    times = fold_times(manifest, base, repeats=3 if quick else 9)
-    raw = times["raw numpy add (float32)"]
+    times = fold_times(manifest, base, repeats=15 if quick else 31, engine_repeats=3 if quick else 5)
+    raw, raw64 = times["raw numpy add (float32)"], times["raw numpy add (float64, the floor of a float64 sum)"]
     counts = (10, 100) if quick else (10, 100, 1000)
     memory = {n: peak_memory(base, n) for n in counts}
     frames = chunk(encode_shared(manifest, base), blob_id="u", meta=UpdateMeta(1, 10, manifest.base_digest).to_dict())
@@ -136,12 +140,13 @@ def run(out: Path, quick: bool = False) -> str:
     write_json(out, "coordinator", {
         "model": "mobilenet_v1 w1.0 K_P=1", "update_bytes": size, "chunks_per_update": chunks,
         "chunk_size": DEFAULT_CHUNK_SIZE, "seconds_per_update": times, "x_raw": {k: v / raw for k, v in times.items()},
+        "x_raw_float64": {k: v / raw64 for k, v in times.items()},
         "peak_bytes": memory, "peak_over_update": {n: m / size for n, m in memory.items()},
         "engine_peak_bytes": engine_memory, "engine_peak_over_update": {n: m / size for n, m in engine_memory.items()},
     })
     text = f"one MobileNet-v1 update: {size / 1e6:.1f} MB in {chunks} chunks\n\n"
-    text += table(["path (per update)", "ms", "x raw numpy add"],
-                  [[name, t * 1e3, t / raw] for name, t in times.items()])
+    text += table(["path (per update)", "ms", "x raw numpy add", "x raw float64 add"],
+                  [[name, t * 1e3, t / raw, t / raw64] for name, t in times.items()])
     text += "\n\n" + table(["updates folded", "WeightedMean peak MB (tracemalloc)", "x one update's size"],
                            [[n, m / 1e6, m / size] for n, m in memory.items()])
     text += "\n\n" + table(["updates through the engine", "engine peak MB (tracemalloc)", "x one update's size"],
