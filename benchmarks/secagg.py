@@ -27,7 +27,7 @@ from safetensors.numpy import save as st_save
 from fedper.secagg import MaskedInput, SecAggClient, SecAggConfig, SecAggServer, wire_size
 
 DEVICES = (10, 50, 100)
-LENGTH = 1_000_000  # about a MobileNet-v1 base at width 0.5; --quick: 20,000
+LENGTH = 1_000_000  # --quick: 20,000
 DROPPED = 0.10
 
 

@@ -20,6 +20,8 @@ Stages (a device missing from a stage has dropped out; the server never waits fo
    is 2 * ceil(1.5 * log2 n), so a device's cost grows as O(log n), and the default threshold is
    t = floor(k/2) + 1, a majority of the neighbours: the smallest t at which honest devices, each
    revealing one kind of share per neighbour, keep a server from collecting both kinds for a device.
+   That default suits light dropout; `degree_for` gives the k that a majority threshold needs for a
+   given dropout rate (heavy dropout needs a large k).
 1. Advertise keys: each device makes two fresh X25519 pairs, c (share encryption) and s (masks).
 2. Share keys: each device draws a self-mask seed b, Shamir-shares b and its s private key among the
    neighbours that advertised (threshold t), and encrypts each neighbour's pair of shares with AES-GCM
@@ -170,6 +172,21 @@ def dequantize(total: np.ndarray, clip: float, value_bits: int, count: int) -> n
 def default_degree(devices: int) -> int:
     """k = 2 * ceil(1.5 * log2 n), the complete graph (n - 1) when that is smaller."""
     return min(devices - 1, 2 * math.ceil(1.5 * math.log2(devices)))
+
+
+def degree_for(devices: int, dropout: float, failure: float = 1e-3) -> int:
+    """The smallest even k (or n - 1, the complete graph) at which, with the default majority threshold
+    and each device silent in stage 4 with probability `dropout` independently, the chance that some
+    neighbourhood keeps fewer than t answering devices is at most `failure` (a union bound over the n
+    neighbourhoods, each Binomial(k, 1 - dropout))."""
+    if not 0 <= dropout < 1 or not 0 < failure < 1:
+        raise ValueError("need 0 <= dropout < 1 and 0 < failure < 1")
+    for degree in range(2, devices - 1, 2):
+        threshold = degree // 2 + 1
+        short = sum(math.comb(degree, i) * (1 - dropout) ** i * dropout ** (degree - i) for i in range(threshold))
+        if devices * short <= failure:
+            return degree
+    return devices - 1
 
 
 def neighbour_graph(devices: int, degree: int, seed: int) -> tuple[tuple[int, ...], ...]:

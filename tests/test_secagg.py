@@ -30,6 +30,7 @@ from fedper.secagg import (
     UnmaskRefused,
     UnmaskRequest,
     UnmaskResponse,
+    degree_for,
     quantization_scale,
     quantize,
     reconstruct,
@@ -123,6 +124,21 @@ def test_thirty_percent_vanishing_after_masking_and_some_before_still_give_the_r
     assert result.survivors == tuple(contributed) and len(contributed) == 27
     error = np.abs(result.sum - vectors[contributed].sum(axis=0)).max()
     assert error <= quantization_bound(config, len(contributed))
+
+
+def test_degree_for_a_dropout_rate_grows_with_log_n_and_a_round_at_it_closes() -> None:
+    assert degree_for(100, 0.3) == 99  # heavy dropout at a small fleet: the complete graph
+    heavy = [degree_for(n, 0.3) for n in (1_000, 10_000, 100_000)]
+    assert heavy == sorted(heavy) and heavy[-1] < 1.5 * heavy[0]  # a hundred times the devices, +40 % in k
+    assert degree_for(50, 0.1) == 20 and degree_for(50, 0.1, failure=0.1) < 20
+
+    config = SecAggConfig.create(round=1, devices=50, length=32, clip=1.0, degree=degree_for(50, 0.1), graph_seed=4)
+    vectors = np.random.default_rng(6).uniform(-1, 1, (50, 32))
+    rng = np.random.default_rng(7)
+    silent = {u for u in range(50) if rng.random() < 0.1}  # each device gone after masking with probability 0.1
+    result, _ = run_round(config, vectors, gone_before_unmask=silent)
+    assert result.survivors == tuple(range(50)) and silent
+    assert np.abs(result.sum - vectors.sum(axis=0)).max() <= quantization_bound(config, 50)
 
 
 def test_too_many_dropouts_fail_loudly_rather_than_give_a_wrong_sum() -> None:
