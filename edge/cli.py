@@ -37,6 +37,16 @@ def run(
                                     "int8-delta (a quarter, quantizing the change from the round's model: "
                                     "far less error than int8 late in training) or int8-delta-pc (int8-delta "
                                     "with a grid per output channel: less error still, 8 bytes more a channel)."),
+    only_when: list[str] = typer.Option(
+        [], help="Take part in a round only when this holds (repeatable, all must hold): power (on external "
+        "power; no battery counts as on power), battery>=N (percent), idle>=F (CPU idle share over half a second, "
+        "0..1) or command:CMD (sh -c CMD exits 0 within 10 s). Checked once per round; while not eligible the "
+        "device says offline and checks again after --recheck-seconds."),
+    recheck_seconds: float = typer.Option(60.0, min=1.0, help="While not eligible, check --only-when again "
+                                          "after this long (and at every RoundInfo or invitation)."),
+    reconnect_spread: float = typer.Option(30.0, min=0.0, help="After losing the broker, reconnect at a random "
+                                           "moment within this many seconds, so a fleet does not come back at "
+                                           "once; then full-jitter backoff up to 60 s."),
 ) -> None:
     """Train rounds until the coordinator announces the final model; resumes from --state-dir."""
     from fedper.compression import check_codec
@@ -53,7 +63,8 @@ def run(
         artifacts=artifacts, data=data, broker=broker, fleet=fleet, client_id=client_id, state_dir=state_dir,
         local_epochs=local_epochs, batch_size=batch_size, lr=lr, fine_tune_head=fine_tune_head, backend=backend,
         seed=seed, username=username, password=password, tls_ca=str(tls_ca) if tls_ca else None,
-        mqtt_version=mqtt_version, chunk_size=chunk_size, compression=compression,
+        mqtt_version=mqtt_version, chunk_size=chunk_size, compression=compression, only_when=tuple(only_when),
+        recheck_s=recheck_seconds, reconnect_spread_s=reconnect_spread,
     )
     try:
         if backend not in BACKENDS:

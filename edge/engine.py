@@ -25,6 +25,20 @@ duplicate with `duplicate_update`, harmless), as it is whenever that round's Rou
 re-published (v1 acknowledges no update); otherwise the device trains on the open round, which
 also catches up after missed rounds.
 
+Selection (docs/protocol.md, section 8.1): when RoundInfo says `selection: invited`, the device
+takes part in a round only once invited to it on its own `invite/<device>` topic; until then it
+downloads, trains and publishes nothing, and waits for messages (no polling: the next RoundInfo
+and any invitation are pushed to it). It subscribes to the model's chunks only while invited and
+without the model, so the broker never pushes a round's model to the whole fleet
+(`subscriptions()` says what to be subscribed to now; the service keeps the broker in step). With
+`selection: all` (the default) every round is the device's, as before selection existed.
+
+Eligibility (`--only-when`, fedper.edge.eligibility): before it takes part in a round (trains, or
+sends the saved update again) the device checks its conditions once per round; while they do not
+hold it says why once per round, publishes presence `offline` (so a coordinator that selects
+invites someone else), and checks again after `recheck_s` (`tick()`), at the next RoundInfo or
+invitation; once they hold it publishes `online` again and takes part.
+
 What reaches the device is checked as the coordinator checks what reaches it: a RoundInfo for
 another export, an impossible round, an oversized model or a round this device already passed,
 and a model blob that is corrupt, not the round's sha256, or not exactly the manifest's finite
@@ -39,6 +53,7 @@ import json
 import math
 import resource
 import secrets
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,12 +64,14 @@ from fedper.algorithms import Phase, get_algorithm
 from fedper.compression import DELTA_CODECS
 from fedper.data import DataError, load_image_folder, load_npz, to_float_nchw
 from fedper.edge.backend import check_artifacts, open_backend
+from fedper.edge.eligibility import Conditions
 from fedper.edge.state import DeviceState, Saved, atomic_write
 from fedper.manifest import Manifest
 from fedper.payload import decode_shared, encode_shared, max_blob_size
 from fedper.wire import (
     DEFAULT_CHUNK_SIZE,
     ErrorMessage,
+    Invitation,
     Outgoing,
     Reassembler,
     Register,
@@ -96,6 +113,9 @@ class AgentConfig:
     mqtt_version: str = "5"
     chunk_size: int = DEFAULT_CHUNK_SIZE
     compression: str = "fp32"  # update codec (fedper.compression): fp32, fp16, int8 or int8-delta
+    only_when: tuple[str, ...] = ()  # eligibility conditions (fedper.edge.eligibility), all must hold
+    recheck_s: float = 60.0  # while not eligible, check the conditions again after this long
+    reconnect_spread_s: float = 30.0  # after losing the broker, reconnect within this window (fedper.mqtt.Backoff)
 
 
 @dataclass(frozen=True)
@@ -158,10 +178,15 @@ def peak_rss_mb() -> float:
 
 class Agent:
     """One FedPer participant: its artifacts, local data, training backend and state directory,
-    and what it knows of the coordinator's open round."""
+    and what it knows of the coordinator's open round.
 
-    def __init__(self, config: AgentConfig, log: Callable[[str], None] = print) -> None:
-        self.config, self.log = config, log
+    conditions: when it may take part (default: config.only_when on this machine's /sys and /proc);
+    clock: unix time, for the eligibility back-off."""
+
+    def __init__(self, config: AgentConfig, log: Callable[[str], None] = print, *,
+                 conditions: Conditions | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.config, self.log, self.clock = config, log, clock
+        self.conditions = conditions if conditions is not None else Conditions(tuple(config.only_when))
         self.manifest = check_artifacts(config.artifacts)
         self.phases = schedule(self.manifest, config.fine_tune_head)
         if config.backend == "ort":
@@ -186,6 +211,12 @@ class Agent:
         self._round: RoundInfo | None = None
         self._sent_round: int | None = None
         self._noted: set[str] = set()  # blob ids refused and logged once
+        self._invited: int | None = None  # the round of this device's newest invitation
+        self._quiet: int | None = None  # the round whose "not invited" was logged
+        self._eligible = True  # the conditions' last verdict (no condition: always)
+        self._accepted: int | None = None  # the round the conditions were found to hold for: not checked again
+        self._recheck_at: float | None = None  # while not eligible: when to check again
+        self._declined: int | None = None  # the round whose "not eligible" was logged
 
     @property
     def n_samples(self) -> int:
@@ -194,14 +225,36 @@ class Agent:
     # ------------------------------------------------------------ messages in, messages out
 
     def subscriptions(self) -> list[tuple[str, int]]:
-        t = self.topics
-        return [(t.round, 1), (f"{t.base}/model/#", 1), (t.error(self.config.client_id), 1)]
+        """What to be subscribed to now: RoundInfo, its errors and its invitations always; the model's
+        chunks once RoundInfo says which (with selection: only while invited and without the model)."""
+        t, me = self.topics, self.config.client_id
+        wanted = [(t.round, 1), (t.error(me), 1), (t.invite(me), 1)]
+        info = self._round
+        if info is not None and info.selection == "all":
+            wanted.append((f"{t.base}/model/#", 1))
+        elif info is not None and self._wants_model(info):
+            wanted.append((f"{t.base}/model/{info.blob_id}/#", 1))
+        return wanted
 
     def connected(self) -> list[Outgoing]:
-        """Say we are online and (re-)register, on every connect, as docs/protocol.md asks. The
-        subscription then delivers the retained RoundInfo, which resends an unacknowledged update."""
+        """Say whether we are online (willing to train) and (re-)register, on every connect, as
+        docs/protocol.md asks. The subscription then delivers the retained RoundInfo, which resends
+        an unacknowledged update."""
         self.log("connected")
+        self._recheck_at = None
+        self._check_conditions(self._round.round if self._round else 0)  # presence goes with the announcement
         return self._announce()
+
+    def tick(self) -> list[Outgoing]:
+        """Called every so often by the service: once the back-off has passed, check the conditions
+        again; take part in the round if one waits for this device, else only say whether it is online."""
+        if self._eligible or (self._recheck_at is not None and self.clock() < self._recheck_at):
+            return []
+        self._recheck_at = None
+        out = self._progress()
+        if self._recheck_at is None and not self._eligible:  # no round checked them: the presence alone
+            out += self._check_conditions(self._round.round if self._round else 0)
+        return out
 
     def handle(self, topic: str, payload: bytes) -> list[Outgoing]:
         """One message from the broker; what to publish in answer. AgentError when the agent cannot go on."""
@@ -213,6 +266,8 @@ class Agent:
                 return self._on_model_chunk(topic, payload)
             if topic == t.error(self.config.client_id):
                 return self._on_error(ErrorMessage.decode(payload))
+            if topic == t.invite(self.config.client_id):
+                return self._on_invitation(payload)
         except WireError as e:
             self.log(f"ignored a bad message on {topic}: {e}")
         return []
@@ -220,8 +275,12 @@ class Agent:
     def _announce(self) -> list[Outgoing]:
         t, me = self.topics, self.config.client_id
         register = Register(n_samples=self.n_samples, base_digest=self.manifest.base_digest, software=SOFTWARE)
-        return [Outgoing(t.presence(me), b"online", retain=True),
-                Outgoing(t.register(me), register.encode(), retain=True)]
+        return [self._presence(), Outgoing(t.register(me), register.encode(), retain=True)]
+
+    def _presence(self) -> Outgoing:
+        """`online` while the device is willing to train (a selecting coordinator invites only those)."""
+        return Outgoing(self.topics.presence(self.config.client_id), b"online" if self._eligible else b"offline",
+                        retain=True)
 
     def _on_round_info(self, info: RoundInfo) -> list[Outgoing]:
         problem = self._round_info_problem(info)
@@ -229,6 +288,12 @@ class Agent:
             self.log(f"ignored RoundInfo of round {info.round} ({info.state}): {problem}")
             return []
         self._round = info
+        self._recheck_at = None  # a RoundInfo is a reason to look at the conditions again
+        if info.state == "open" and not self._invited_to(info) and self._quiet != info.round:
+            self._quiet = info.round
+            wait = (info.next_selection_at or info.deadline) - self.clock()
+            self.log(f"round {info.round}: not invited; quiet until an invitation or the next selection "
+                     f"(due within {max(wait, 0):.0f} s)")
         # No update is acknowledged in v1: one sent while the coordinator or the broker was away may be
         # lost, so the saved update goes again whenever its round's RoundInfo is (re)published (after a
         # reconnect, a restart or an extension); the coordinator answers duplicate_update if it had it.
@@ -246,6 +311,60 @@ class Agent:
         if info.state == "open" and self.saved is not None and info.round < self.saved.round:
             return f"stale: this device already answered round {self.saved.round}"
         return None
+
+    def _on_invitation(self, payload: bytes) -> list[Outgoing]:
+        if not payload:  # cleared: its round closed
+            self._invited = None
+            return []
+        invitation = Invitation.decode(payload)
+        self._invited = invitation.round
+        info = self._round
+        if info is not None and info.round == invitation.round:
+            self.log(f"round {info.round}: invited")
+            self._recheck_at = None
+            return self._progress()
+        return []  # for another round: acted on once RoundInfo opens it
+
+    def _invited_to(self, info: RoundInfo) -> bool:
+        return info.selection == "all" or self._invited == info.round
+
+    def _wants_model(self, info: RoundInfo) -> bool:
+        """Whether the model RoundInfo names is still needed: the final one until evaluated; an open
+        round's while this device takes part in it and has not yet sent its update."""
+        if self.final_accuracy is not None or self._holds_model(info):
+            return False
+        if info.state == "finished":
+            return True
+        answered = self.saved is not None and info.round == self.saved.round
+        return (self._invited_to(info) and self._eligible and self._accepted == info.round
+                and not (answered and self._sent_round == info.round))
+
+    def _holds_model(self, info: RoundInfo) -> bool:
+        """Decoded and checked: a blob that came under the round's id but failed is no reason to stop listening."""
+        return self._model is not None and (self._model.blob_id, self._model.sha256) == (info.blob_id, info.sha256)
+
+    def _check_conditions(self, round_: int) -> list[Outgoing]:
+        """Check --only-when (unless the device took part in this round already or is backing off): sets
+        whether it is eligible, logs why not once per round, and returns the presence to publish if it changed."""
+        if not self.conditions.specs or self._accepted == round_:
+            return []
+        if self._recheck_at is not None and self.clock() < self._recheck_at:
+            return []
+        was, where = self._eligible, f"round {round_}: " if round_ else ""
+        problem = self.conditions.problem()
+        self._eligible = problem is None
+        if problem is None:
+            self._recheck_at = None
+            if self._declined is not None:
+                self.log(f"{where}eligible again")
+                self._declined = None
+        else:
+            self._recheck_at = self.clock() + self.config.recheck_s
+            if self._declined != round_:
+                self._declined = round_
+                self.log(f"{where}not eligible ({problem}): not taking part; checking again in "
+                         f"{self.config.recheck_s:g} s")
+        return [self._presence()] if self._eligible != was else []
 
     def _on_model_chunk(self, topic: str, payload: bytes) -> list[Outgoing]:
         if not payload:  # an empty retained payload clears an old round's chunk
@@ -294,22 +413,30 @@ class Agent:
         info = self._round
         if info is None or self.final_accuracy is not None:
             return []
+        if info.state == "open" and not self._invited_to(info):
+            return []  # an uninvited device never trains nor uploads
         answered = self.saved is not None and info.state == "open" and info.round == self.saved.round
         if answered and self._sent_round == info.round:
             return []
+        out: list[Outgoing] = []
+        if info.state == "open":
+            out = self._check_conditions(info.round)
+            if not self._eligible:
+                return out
+            self._accepted = info.round  # checked once per round: a round under way is not dropped midway
         model = self._round_model(info)
         if model is None:
-            return []
+            return out
         if info.state == "finished":
             self._finish(info, model)
-            return []
+            return out
         if answered:
             self.log(f"round {info.round}: already trained (before a restart, a reconnect or the round's "
                      "re-publication), sending the saved update again")
         else:
             self.backend.load(model)
             self.saved = self.train_round(info.round)
-        return self._update(self.saved, model)
+        return out + self._update(self.saved, model)
 
     def _round_model(self, info: RoundInfo) -> Mapping[str, np.ndarray] | None:
         """The model RoundInfo names, decoded once and checked; None while it is not here (or refused)."""

@@ -28,6 +28,7 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from fedper.data import load_digits
+from fedper.edge.eligibility import Conditions
 from fedper.edge.engine import FINAL_FILE, Agent, AgentConfig, AgentError
 from fedper.wire import Outgoing
 
@@ -87,9 +88,9 @@ def sent_update(out: list[Outgoing]) -> tuple[str, dict, dict[str, np.ndarray]]:
 class Device:
     """An agent and everything it logged."""
 
-    def __init__(self, config: AgentConfig) -> None:
+    def __init__(self, config: AgentConfig, **options: object) -> None:
         self.logs: list[str] = []
-        self.agent = Agent(config, log=self.logs.append)
+        self.agent = Agent(config, log=self.logs.append, **options)
 
     def feed(self, messages: list[Message]) -> list[Outgoing]:
         out: list[Outgoing] = []
@@ -120,12 +121,13 @@ def device_data(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def make_device(tiny_artifacts: Path, device_data: Path, tmp_path: Path) -> Callable[..., Device]:
-    """make_device(state="state", **config) -> a Device; the same state name is the same device restarted."""
+    """make_device(state="state", options={...}, **config) -> a Device (options: the Agent's conditions and
+    clock); the same state name is the same device restarted."""
 
-    def make(state: str = "state", **config: object) -> Device:
+    def make(state: str = "state", options: dict | None = None, **config: object) -> Device:
         return Device(AgentConfig(artifacts=tiny_artifacts, data=device_data, broker="mqtt://127.0.0.1:1",
                                   fleet=FLEET, client_id=DEVICE, state_dir=tmp_path / state, batch_size=8, lr=0.05,
-                                  backend="ort", **config))
+                                  backend="ort", **config), **(options or {}))
 
     return make
 
@@ -387,6 +389,154 @@ def test_a_forged_round_info_does_not_cost_the_device_the_right_model(make_devic
     assert len(device.logs) == logged + 1 and "does not match the round's sha256" in device.logs[-1]
     _, meta, _ = sent_update(device.feed([round_info(right, 2, agent.manifest.base_digest)]))
     assert meta["round"] == 2
+
+
+# ------------------------------------------------------------ selection and eligibility (docs/protocol.md, 8.1)
+
+INVITE_TOPIC, PRESENCE_TOPIC = f"{BASE}/invite/{DEVICE}", f"{BASE}/presence/{DEVICE}"
+
+
+def invitation(round_: int) -> Message:
+    """An Invitation as the coordinator publishes it on the device's own topic."""
+    return INVITE_TOPIC, json.dumps({"v": 1, "round": round_}).encode()
+
+
+def selecting(blob: bytes, round_: int, digest: str, **fields: object) -> Message:
+    """RoundInfo of a coordinator run with --clients-per-round."""
+    return round_info(blob, round_, digest, selection="invited", next_selection_at=1.9e9, **fields)
+
+
+def model_subscriptions(agent: Agent) -> list[str]:
+    return [topic for topic, _ in agent.subscriptions() if "/model/" in topic]
+
+
+def presence(out: list[Outgoing]) -> list[bytes]:
+    assert all(m.retain for m in out if m.topic == PRESENCE_TOPIC)
+    return [m.payload for m in out if m.topic == PRESENCE_TOPIC]
+
+
+@pytest.mark.parametrize("order", ["round info first", "invitation first"])
+def test_an_invited_device_trains_and_subscribes_to_its_rounds_model_alone(make_device, models, order: str) -> None:
+    device = make_device()
+    agent = device.agent
+    assert [t for t, _ in agent.subscriptions()] == [ROUND_TOPIC, f"{BASE}/error/{DEVICE}", INVITE_TOPIC]
+    blob = st_save(models(1))
+    first = [selecting(blob, 1, agent.manifest.base_digest), invitation(1)]
+    assert device.feed(first if order == "round info first" else first[::-1]) == []
+    assert model_subscriptions(agent) == [f"{BASE}/model/r1/#"]  # this round's chunks, not model/#
+    _, meta, update = sent_update(device.feed(chunk_frames(blob, "r1", 1)))
+    assert meta["round"] == 1 and sorted(update) == sorted(agent.manifest.names(shared=True))
+    assert model_subscriptions(agent) == []  # it holds the model: no more chunks pushed to it
+    assert sent_update(device.feed([selecting(blob, 1, agent.manifest.base_digest, deadline=2.0e9)]))[1]["round"] == 1
+
+
+def test_a_device_not_invited_stays_quiet_and_never_uploads(make_device, models) -> None:
+    device = make_device()
+    agent = device.agent
+    sent_update(device.open_round(1, models(1)))  # a round of the default mode first: it took part
+    before, logged = device.tensors(), len(device.logs)
+    blob = st_save(models(2))
+    digest = agent.manifest.base_digest
+    assert device.feed([invitation(1), (INVITE_TOPIC, b""), selecting(blob, 2, digest)]) == []
+    assert model_subscriptions(agent) == []  # it asks for no model
+    assert device.feed(chunk_frames(blob, "r2", 2)) == []  # chunks that reach it anyway change nothing
+    assert device.feed([invitation(3), selecting(blob, 2, digest, deadline=2.0e9)]) == []  # not this round's
+    error = (f"{BASE}/error/{DEVICE}", json.dumps({"v": 1, "code": "unknown_device", "message": "m",
+                                                    "round": 1}).encode())  # about its saved round-1 update
+    assert [m.topic for m in device.feed([error])] == [PRESENCE_TOPIC, f"{BASE}/register/{DEVICE}"]  # no update
+    assert device.agent.tick() == []
+    new = device.logs[logged:]
+    assert sum("round 2: not invited" in line for line in new) == 1, new  # one line for the round
+    after = device.tensors()
+    assert all(np.array_equal(before[n], after[n]) for n in before) and agent.state.load(agent.manifest).round == 1
+
+    _, meta, _ = sent_update(device.feed([invitation(2)]))  # a top-up invitation: it takes part at once
+    assert meta["round"] == 2
+
+
+def test_the_default_mode_subscribes_to_every_model_once_round_info_is_known(make_device, models) -> None:
+    device = make_device()
+    assert model_subscriptions(device.agent) == []
+    device.open_round(1, models(1))
+    assert model_subscriptions(device.agent) == [f"{BASE}/model/#"]  # as before selection existed
+    assert device.feed([invitation(5)]) == []  # no invitation in this mode, and one changes nothing
+
+
+def power_supply(sys_root: Path, name: str, **attributes: object) -> None:
+    directory = sys_root / "class" / "power_supply" / name
+    directory.mkdir(parents=True, exist_ok=True)
+    for attribute, value in attributes.items():
+        (directory / attribute).write_text(f"{value}\n")
+
+
+class Clock:
+    """Unix time that tests move forward by hand (the eligibility back-off reads it)."""
+
+    def __init__(self) -> None:
+        self.now = 1.8e9
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("selection", ["all", "invited"])
+def test_a_device_that_is_not_eligible_does_not_train_and_says_why_once(make_device, models, tmp_path: Path,
+                                                                       selection: str) -> None:
+    sys_root = tmp_path / "sys"
+    power_supply(sys_root, "AC", type="Mains", online=0)
+    power_supply(sys_root, "BAT0", type="Battery", status="Discharging", capacity=80)
+    clock = Clock()
+    device = make_device(options={"conditions": Conditions(("power", "battery>=50"), sys_root=sys_root),
+                                  "clock": clock}, recheck_s=60.0)
+    agent = device.agent
+    assert presence(agent.connected()) == [b"offline"]  # not willing to train: a selecting coordinator skips it
+    blob = st_save(models(1))
+    extra = {"selection": "invited", "next_selection_at": 1.9e9} if selection == "invited" else {}
+    messages = [round_info(blob, 1, agent.manifest.base_digest, **extra),
+                *([invitation(1)] if selection == "invited" else []), *chunk_frames(blob, "r1", 1)]
+    assert device.feed(messages) == []
+    assert agent.saved is None and model_subscriptions(agent) == ([f"{BASE}/model/#"] if selection == "all" else [])
+    declined = [line for line in device.logs if "not eligible" in line]
+    assert declined == [f"{where}not eligible (power: on battery (BAT0 Discharging)): not taking part; "
+                        "checking again in 60 s" for where in ("", "round 1: ")]  # at connect, then for the round
+
+    clock.now += 30
+    assert agent.tick() == []  # backing off: not checked yet
+    power_supply(sys_root, "AC", online=1)  # plugged in
+    assert agent.tick() == []
+    clock.now += 31
+    out = agent.tick()
+    assert presence(out) == [b"online"] and sent_update(out)[1]["round"] == 1
+    assert any("round 1: eligible again" in line for line in device.logs)
+    assert sum("not eligible" in line for line in device.logs) == 2
+
+
+def test_unplugged_between_rounds_it_skips_the_next_round_until_a_new_round_info(make_device, models,
+                                                                                   tmp_path: Path) -> None:
+    sys_root = tmp_path / "sys"
+    power_supply(sys_root, "BAT0", type="Battery", status="Charging", capacity=80)
+    clock = Clock()
+    device = make_device(options={"conditions": Conditions(("power",), sys_root=sys_root), "clock": clock})
+    agent = device.agent
+    assert presence(agent.connected()) == [b"online"]
+    sent_update(device.open_round(1, models(1)))
+    power_supply(sys_root, "BAT0", status="Discharging")
+    out = device.open_round(2, models(2))
+    assert presence(out) == [b"offline"] and not [m for m in out if m.topic == UPDATE_TOPIC]
+    assert agent.state.load(agent.manifest).round == 1
+    power_supply(sys_root, "BAT0", status="Full")
+    out = device.feed([round_info(st_save(models(2)), 2, agent.manifest.base_digest, deadline=2.0e9)])
+    assert presence(out) == [b"online"] and sent_update(out)[1]["round"] == 2  # re-checked at RoundInfo
+
+
+def test_a_command_condition_is_run_for_real(make_device, models, tmp_path: Path) -> None:
+    allowed = tmp_path / "unmetered"
+    device = make_device(options={"conditions": Conditions((f"command:test -e {allowed}",))})
+    assert [m.payload for m in device.open_round(1, models(1))] == [b"offline"]  # no update
+    assert device.agent.saved is None and any("not eligible (command:" in line for line in device.logs)
+    allowed.touch()
+    out = device.feed([round_info(st_save(models(1)), 1, device.agent.manifest.base_digest)])
+    assert sent_update(out)[1]["round"] == 1
 
 
 def test_the_engine_needs_no_mqtt_client() -> None:
