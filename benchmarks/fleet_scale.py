@@ -361,9 +361,10 @@ def exited(pid: int) -> bool:
     return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
 
 
-def peak_rss_mib(pid: int) -> float:
+def rss_mib(pid: int, field: str = "VmHWM") -> float:
+    """VmHWM (the peak resident set) or VmRSS (now) of a live process, in MiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -373,7 +374,7 @@ class Observed:
     """What the monitor client saw: each round's opening time and the coordinator's CPU then, the state
     messages' accepted counts, each round's model blob, and the broker's $SYS figures."""
 
-    opened: dict[int, tuple[float, float]] = field(default_factory=dict)  # round -> (wall, coordinator cpu s)
+    opened: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # round -> (wall, cpu s, RSS MiB)
     accepted_at: dict[int, tuple[int, float]] = field(default_factory=dict)  # round -> (accepted, first seen at)
     models: dict[str, bytes] = field(default_factory=dict)  # blob id -> blob
     registered_at: float | None = None
@@ -393,7 +394,8 @@ async def _monitor(port: int, manifest: Manifest, coordinator: subprocess.Popen[
         if topic == topics.round:
             info = RoundInfo.decode(payload)
             if info.state == "open" and info.round not in seen.opened:
-                seen.opened[info.round] = (now, cpu_seconds(coordinator.pid))  # a zombie's /proc/<pid>/stat still reads
+                seen.opened[info.round] = (now, cpu_seconds(coordinator.pid),  # a zombie's stat still reads
+                                           rss_mib(coordinator.pid, "VmRSS"))
         elif topic == topics.state:
             state = json.loads(payload)
             if state.get("status") == "online":
@@ -458,7 +460,7 @@ def run_fleet(size: int, rounds: int, *, floats: int, workers: int, round_timeou
         if coordinator.returncode != 0:
             raise RuntimeError(f"coordinator exited {coordinator.returncode}: "
                                f"{(directory / 'coordinator.log').read_text()[-2000:]}")
-        broker_rss = peak_rss_mib(broker.pid)
+        broker_rss = rss_mib(broker.pid)
         stop.set()
         reports = [results.get(timeout=60) for _ in procs]
     finally:
@@ -481,6 +483,7 @@ def run_fleet(size: int, rounds: int, *, floats: int, workers: int, round_timeou
         end_cpu = opened[i + 1][1] if i + 1 < len(opened) else cpu_total
         _, at = seen.accepted_at.get(k, (0, math.nan))
         per_round.append({"round": k, "invited": r.get("invited"), "participants": r["participants"],
+                          "rss_at_open_mib": round(opened[i][2], 1),
                           "cpu_s": round(end_cpu - opened[i][1], 3), "collect_s": r["collect_s"],
                           "last_accept_s": round(at - opened[i][0], 2), "aggregate_s": r["aggregate_s"]})
     steady = per_round[1:] or per_round
@@ -492,7 +495,10 @@ def run_fleet(size: int, rounds: int, *, floats: int, workers: int, round_timeou
         "registrations_s": round((seen.registered_at or math.nan) - launched, 2),
         "coordinator_peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
         "coordinator_cpu_s": round(cpu_total, 2),
+        "coordinator_rss_steady_mib": max(r["rss_at_open_mib"] for r in steady),
         "cpu_s_per_round_steady": round(float(np.mean([r["cpu_s"] for r in steady])), 3),
+        "cpu_ms_per_accepted_update_steady": round(1000 * sum(r["cpu_s"] for r in steady)
+                                                   / sum(r["participants"] for r in steady), 2),
         "round_wall_s_steady": round(float(np.mean([r["collect_s"] for r in steady])), 2),
         "last_accept_s_steady": round(float(np.mean([r["last_accept_s"] for r in steady])), 2),
         "messages_to_coordinator": published + vanished,  # register, presence, update chunks, and the wills
@@ -540,12 +546,14 @@ def run(out: Path, quick: bool) -> str:
         print(f"  {size} devices done", file=sys.stderr, flush=True)
     write_json(out, "fleet_scale", {"clients_per_round": CLIENTS_PER_ROUND, "over_select": OVER_SELECT,
                                     "vanish": VANISH, "results": results})
-    header = ["devices", "coord. peak RSS MiB", "coord. CPU s/round", "round wall s", "last accept s",
-              "msgs to coord.", "broker msgs in/out", "broker RSS MiB", "accepted = aggregated", "connect s"]
-    rows = [[r["devices"], r["coordinator_peak_rss_mib"], r["cpu_s_per_round_steady"], r["round_wall_s_steady"],
-             r["last_accept_s_steady"], r["messages_to_coordinator"],
-             f"{r['broker_messages_received']}/{r['broker_messages_sent']}", r["broker_peak_rss_mib"],
-             f"{r['accepted_updates']} in {r['aggregates_verified']} rounds", r["connect_s"]] for r in results]
+    header = ["devices", "coord. peak RSS MiB", "coord. RSS rounds 2+ MiB", "coord. CPU s/round", "CPU ms/update",
+              "round wall s", "last accept s", "msgs to coord.", "broker msgs in/out", "broker peak RSS MiB",
+              "accepted = aggregated", "connect s"]
+    rows = [[r["devices"], r["coordinator_peak_rss_mib"], r["coordinator_rss_steady_mib"], r["cpu_s_per_round_steady"],
+             r["cpu_ms_per_accepted_update_steady"], r["round_wall_s_steady"], r["last_accept_s_steady"],
+             r["messages_to_coordinator"], f"{r['broker_messages_received']}/{r['broker_messages_sent']}",
+             r["broker_peak_rss_mib"], f"{r['accepted_updates']} in {r['aggregates_verified']} rounds",
+             r["connect_s"]] for r in results]
     return table(header, rows)
 
 
