@@ -231,10 +231,14 @@ class Agent:
         wanted = [(t.round, 1), (t.error(me), 1), (t.invite(me), 1)]
         info = self._round
         if info is not None and info.selection == "all":
-            wanted.append((f"{t.base}/model/#", 1))
+            wanted.append((self.all_models_topic, 1))
         elif info is not None and self._wants_model(info):
             wanted.append((f"{t.base}/model/{info.blob_id}/#", 1))
         return wanted
+
+    @property
+    def all_models_topic(self) -> str:
+        return f"{self.topics.base}/model/#"
 
     def connected(self) -> list[Outgoing]:
         """Say whether we are online (willing to train) and (re-)register, on every connect, as

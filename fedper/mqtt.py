@@ -157,17 +157,20 @@ class Session:
     """A started paho client and its inbox, from connect to a clean disconnect (use it with `with`).
 
     subscriptions: (topic filter, QoS) pairs, subscribed on every connect; `subscribe_only`
-    changes them. farewell: (topic, payload) published retained at QoS 1, and waited for, before a
-    clean disconnect (the broker sends the last will only when a client vanishes). log: where "lost
-    the broker" goes. backoff: how long paho waits before each reconnect attempt (default: the
-    coordinator's prompt one).
+    changes them. forget: topic filters unsubscribed on every connect unless wanted then (a
+    persistent session keeps what an earlier run of the same client subscribed to). farewell:
+    (topic, payload) published retained at QoS 1, and waited for, before a clean disconnect (the
+    broker sends the last will only when a client vanishes). log: where "lost the broker" goes.
+    backoff: how long paho waits before each reconnect attempt (default: the coordinator's prompt one).
     """
 
     def __init__(self, client: mqtt.Client, broker: BrokerUrl, subscriptions: Sequence[tuple[str, int]], *,
                  log: Callable[[str], None], farewell: tuple[str, bytes] | None = None,
-                 backoff: Backoff | None = None) -> None:
+                 backoff: Backoff | None = None, forget: Iterable[str] = ()) -> None:
         self.client, self.broker = client, broker
         self._subscriptions = dict(subscriptions)
+        self._always_forget = frozenset(forget)
+        self._forget = set(self._always_forget)  # and what was dropped while the broker was away
         self._subscribed = threading.Lock()  # the subscriptions, between the caller and paho's on_connect
         self._log, self._farewell = log, farewell
         self._backoff = backoff or Backoff.coordinator()
@@ -189,6 +192,10 @@ class Session:
         self._backoff.connected()
         self._established = True
         with self._subscribed:
+            stale = sorted(self._forget - self._subscriptions.keys())
+            if stale:
+                client.unsubscribe(stale)
+            self._forget = set(self._always_forget)
             if self._subscriptions:
                 client.subscribe(list(self._subscriptions.items()))
         self._inbox.put(Connected())
@@ -218,8 +225,8 @@ class Session:
             gone = [topic for topic in self._subscriptions if topic not in wanted]
             new = [(topic, qos) for topic, qos in wanted.items() if self._subscriptions.get(topic) != qos]
             self._subscriptions = wanted
-            if gone:
-                self.client.unsubscribe(gone)
+            if gone and self.client.unsubscribe(gone)[0] != mqtt.MQTT_ERR_SUCCESS:
+                self._forget.update(gone)  # not connected: the broker's session still holds them
             if new:
                 self.client.subscribe(new)
 

@@ -81,3 +81,33 @@ def test_a_session_waits_its_drawn_delay_after_a_broker_restart_and_resubscribes
 
 def wait_for_event(session: Session, timeout: float = 10.0) -> Connected | Received | None:
     return session.receive(timeout=timeout)
+
+
+def test_a_session_drops_what_an_earlier_run_of_its_client_left_subscribed(mosquitto) -> None:
+    """A persistent session outlives the process: an earlier run's "t/all/#" would still deliver to
+    the new run, unless the new run forgets it at connect (as the agent does with model/#)."""
+    broker = parse_broker_url(mosquitto.url)
+    publisher = make_client("forget-publisher", protocol="5")
+    publisher.connect(mosquitto.host, mosquitto.port)
+    publisher.loop_start()
+    try:
+        for forget in ([], ["t/all/#"]):
+            earlier = Session(make_client("forget-probe", protocol="5"), broker, [("t/all/#", 1)], log=print)
+            assert isinstance(wait_for_event(earlier), Connected)
+            earlier.client.disconnect()  # the broker keeps its session and subscriptions (session expiry)
+            earlier.client.loop_stop()
+            later = Session(make_client("forget-probe", protocol="5"), broker, [("t/mine", 1)], log=print,
+                            forget=forget)
+            try:
+                assert isinstance(wait_for_event(later), Connected)
+                publisher.publish("t/all/x", b"x", qos=1).wait_for_publish(5)
+                publisher.publish("t/mine", b"m", qos=1).wait_for_publish(5)
+                topics = []
+                while (event := wait_for_event(later, timeout=1)) is not None:
+                    topics.append(event.topic)
+                assert topics == (["t/all/x", "t/mine"] if not forget else ["t/mine"]), (forget, topics)
+            finally:
+                later.close()
+    finally:
+        publisher.loop_stop()
+        publisher.disconnect()
