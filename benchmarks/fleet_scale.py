@@ -213,7 +213,6 @@ class WorkerReport:
     vanished: dict[int, list[str]] = field(default_factory=dict)  # round -> devices that vanished when invited
     errors: Counter[str] = field(default_factory=Counter)
     published: int = 0  # messages the devices published (the wills of the vanished come on top)
-    connect_s: float = 0.0
 
 
 async def _devices(host: str, port: int, indices: list[int], floats: int, train_s: float, chunk_size: int,
@@ -285,9 +284,7 @@ async def _devices(host: str, port: int, indices: list[int], floats: int, train_
         report.published += 2
         clients.append(client)
 
-    started = time.perf_counter()
     await asyncio.gather(*(join(i) for i in indices))
-    report.connect_s = time.perf_counter() - started
     ready.put(len(clients))
     last_ping = time.monotonic()
     while not stop.is_set():
@@ -308,7 +305,7 @@ def _worker(host: str, port: int, indices: list[int], floats: int, train_s: floa
     _raise_fd_limit()
     report = asyncio.run(_devices(host, port, indices, floats, train_s, chunk_size, ready, stop))
     results.put({"sent": report.sent, "vanished": report.vanished, "errors": dict(report.errors),
-                 "published": report.published, "connect_s": report.connect_s})
+                 "published": report.published})
 
 
 def _raise_fd_limit() -> int:
@@ -381,8 +378,7 @@ class Observed:
     broker: dict[str, str] = field(default_factory=dict)
 
 
-async def _monitor(port: int, manifest: Manifest, coordinator: subprocess.Popen[bytes], fleet_size: int,
-                   timeout: float) -> Observed:
+async def _monitor(port: int, coordinator: subprocess.Popen[bytes], fleet_size: int, timeout: float) -> Observed:
     """Follow the run until the coordinator exits (or `timeout`)."""
     topics, seen = Topics(FLEET), Observed()
     reassembler = Reassembler(1 << 26)
@@ -443,7 +439,8 @@ def run_fleet(size: int, rounds: int, *, floats: int, workers: int, round_timeou
         started = time.perf_counter()
         for p in procs:
             p.start()
-        sum(ready.get(timeout=timeout) for _ in procs)  # every worker connected its devices
+        for _ in procs:  # every worker has connected and registered its devices
+            ready.get(timeout=timeout)
         connect_s = time.perf_counter() - started
         log = open(directory / "coordinator.log", "wb")  # noqa: SIM115 (closed with the process)
         coordinator = subprocess.Popen(
@@ -453,7 +450,9 @@ def run_fleet(size: int, rounds: int, *, floats: int, workers: int, round_timeou
              "--over-select", str(OVER_SELECT), "--chunk-size", str(chunk_size), "--state-dir", str(state_dir)],
             stdout=log, stderr=subprocess.STDOUT)
         launched = time.time()
-        seen = asyncio.run(_monitor(port, manifest, coordinator, size, timeout))
+        seen = asyncio.run(_monitor(port, coordinator, size, timeout))
+        if not exited(coordinator.pid):
+            coordinator.kill()  # past `timeout`: wait4 below reaps it and the exit status says so
         _, status, usage = os.wait4(coordinator.pid, 0)
         coordinator.returncode = os.waitstatus_to_exitcode(status)
         log.close()
