@@ -302,7 +302,8 @@ def test_a_device_re_registering_in_a_loop_costs_no_checkpoint_per_message(tmp_p
     assert writes <= 4, writes  # two for the pace, one for the fold, and one to spare
     c.tick(5.0)
     saved = json.loads(state.read_text())
-    assert saved["registered"]["flipper"]["n_samples"] == 11 and "honest" in saved["round"]["folded"]
+    registry = Store(tmp_path).load_registry(saved)
+    assert registry["flipper"]["n_samples"] == 11 and "honest" in saved["round"]["folded"]
 
 
 HEADERS = {"list": [1, 2], "empty list": [], "string": "x", "number": 7, "huge number": Raw("1e400"), "null": None,

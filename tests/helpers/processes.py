@@ -70,8 +70,18 @@ def write_device_data(path: Path, classes: tuple[int, ...], count: int) -> Path:
 
 def saved_state(state_dir: Path) -> dict[str, Any] | None:
     """The coordinator's state.json, or None while there is none (it is replaced atomically)."""
+    from fedper.coordinator.store import Store
+
     path = state_dir / "state.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    for _ in range(10):  # a commit may delete the registry file an older state.json names: read again
+        if not path.exists():
+            return None
+        state = json.loads(path.read_text())
+        try:
+            return {**state, "registered": Store(state_dir).load_registry(state)}
+        except FileNotFoundError:
+            continue
+    raise AssertionError(f"{state_dir}: state.json and its registry file kept changing")
 
 
 def finish(proc: subprocess.Popen[bytes], timeout: float, what: str, log: str = "") -> int:
