@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from fedper.algorithms import get_algorithm
+from fedper.ports import free_port
 
 console = Console(stderr=True)
 
@@ -36,12 +36,6 @@ class Device:
     data: Path
     classes: list[str]
     n_train: int
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def load_dataset(dataset: str, data: Path | None, max_samples: int, seed: int):

@@ -9,7 +9,6 @@ process group every function here is the single-process identity.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
@@ -17,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from fedper.aggregation import WeightedMean
+from fedper.ports import free_port
 
 T = TypeVar("T")
 
@@ -113,9 +113,7 @@ def local_device(device: torch.device) -> torch.device:
 
 def free_rendezvous() -> str:
     """A tcp:// rendezvous on a free loopback port, for processes spawned on this host."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 def destroy() -> None:

@@ -17,15 +17,10 @@ from pathlib import Path
 import pytest
 from helpers.processes import Processes
 
+from fedper.ports import free_port
+
 MOSQUITTO = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
 SKIP_REASON = "mosquitto not installed (apt-get install mosquitto)"
-
-
-def free_port() -> int:
-    """A loopback TCP port nothing listens on now (the OS picks it; free until someone binds it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Broker:

@@ -229,7 +229,7 @@ def test_kill9_and_restart_resumes_without_losing_or_double_counting(mosquitto, 
 
 
 def test_embedded_broker_full_run(tmp_path: Path) -> None:
-    from conftest import free_port
+    from fedper.ports import free_port
 
     manifest, initial = tiny_manifest(), tiny_tensors()
     artifacts = write_artifacts(tmp_path / "export", manifest, initial)
@@ -356,7 +356,7 @@ def test_username_password_through_mosquitto(mosquitto_factory, tmp_path: Path) 
 
 
 def test_tls_with_a_private_ca(mosquitto_factory, tmp_path: Path) -> None:
-    from conftest import free_port
+    from fedper.ports import free_port
 
     def openssl(*args: str) -> None:
         subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=tmp_path)

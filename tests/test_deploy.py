@@ -18,8 +18,10 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
-from conftest import MOSQUITTO, free_port
+from conftest import MOSQUITTO
 from helpers.processes import Processes, agent_args, coordinator_args, finish, write_device_data
+
+from fedper.ports import free_port
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 pytestmark = [

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import free_port
 from helpers.processes import Processes, coordinator_args
 from prometheus_client.parser import text_string_to_metric_families
 from test_coordinator_live import FLEET, Device, wait_for, write_artifacts
@@ -25,6 +24,7 @@ from fedper.coordinator.engine import Config, Coordinator
 from fedper.coordinator.metrics import CoordinatorMetrics
 from fedper.coordinator.store import Store
 from fedper.payload import encode_shared
+from fedper.ports import free_port
 from fedper.wire import Register, Topics, UpdateMeta, chunk
 
 MANIFEST = tiny_manifest()
