@@ -226,15 +226,27 @@ class Coordinator:
 
     # ------------------------------------------------------------ input
 
-    def handle(self, topic: str, payload: bytes, now: float) -> list[Outgoing]:
+    def admit(self, topic: str, now: float) -> bool:
+        """Whether a message on `topic` passes its device's rate limit; False: drop it unread. Thread-safe
+        (coordinator/quota.py), unlike the rest of the engine: the service calls it from paho's network
+        thread, so a flood is dropped as it arrives; the drops are counted at the next `handle` or `tick`.
+        A message for `handle(..., admitted=True)`; one on a topic that is not a device's passes (handle
+        refuses it)."""
+        try:
+            _, device = self.topics.parse(topic)
+        except WireError:
+            return True
+        return self._rate.admit(device, now)
+
+    def handle(self, topic: str, payload: bytes, now: float, *, admitted: bool = False) -> list[Outgoing]:
         """One incoming message; a bad one is refused before it changes anything, logged once, counted and
         answered on its device's error topic (a chunk of a blob already refused is dropped: one answer per
-        blob). Raises only CheckpointError."""
+        blob). admitted: `admit` passed it already (its rate token is spent). Raises only CheckpointError."""
         device = None
         try:
             kind, device = self.topics.parse(topic)
-            if not self._rate.admit(device, now):
-                return self._rate_limited(device, now)
+            if not admitted and not self._rate.admit(device, now):
+                return self._count_rate_limited(now)
             if kind == "register":
                 return self._on_register(device, payload)
             if kind == "presence":
@@ -249,9 +261,10 @@ class Coordinator:
             return self._reject(device, "internal_error", f"{type(e).__name__}: {e}", error=e)
 
     def tick(self, now: float) -> list[Outgoing]:
-        """Close the round when it is complete or its deadline has passed with a quorum; checkpoint changed
-        registrations (at most once per state_interval) and publish the state when it changed."""
-        out: list[Outgoing] = []
+        """Count the messages the rate limit dropped; close the round when it is complete or its deadline has
+        passed with a quorum; checkpoint changed registrations (at most once per state_interval) and publish
+        the state when it changed."""
+        out = self._count_rate_limited(now)
         if not self.finished:
             done = len(self.round.folded)
             everyone = self.registered.keys() <= self.round.folded.keys()
@@ -407,18 +420,22 @@ class Coordinator:
         rate = config.max_messages_per_second
         return reassembler, MessageRateLimit(rate, burst=max(BURST_SECONDS * rate, 2 * upload + 16))
 
-    def _rate_limited(self, device: str, now: float) -> list[Outgoing]:
-        """A message dropped unread: always counted; logged and answered once per report window."""
-        self.counters["rate_limited"] += 1
-        self.round.rejected["rate_limited"] += 1
-        self._state_dirty = True
-        dropped = self._rate.report_due(device, now)
-        if not dropped:
-            return []
-        message = (f"dropped {dropped} message(s) unread since the last report: above --max-messages-per-second "
-                   f"{self.config.max_messages_per_second:g}")
-        log.warning("rate_limited %s: %s", device, message)
-        return [Outgoing(self.topics.error(device), ErrorMessage("rate_limited", message, self.round.number).encode())]
+    def _count_rate_limited(self, now: float) -> list[Outgoing]:
+        """Messages dropped unread since the last call (here or by `admit` in the service's network thread):
+        all counted; logged and answered once per report window per device."""
+        out: list[Outgoing] = []
+        for device, count in self._rate.take_dropped().items():
+            self.counters["rate_limited"] += count
+            self.round.rejected["rate_limited"] += count
+            self._state_dirty = True
+            dropped = self._rate.report_due(device, now)
+            if dropped:
+                message = (f"dropped {dropped} message(s) unread since the last report: above "
+                           f"--max-messages-per-second {self.config.max_messages_per_second:g}")
+                log.warning("rate_limited %s: %s", device, message)
+                out.append(Outgoing(self.topics.error(device),
+                                    ErrorMessage("rate_limited", message, self.round.number).encode()))
+        return out
 
     def _remember_rejected(self, device: str, blob_id: str) -> None:
         """Per device, so that one device's flood of refused blobs never makes another's be answered twice."""

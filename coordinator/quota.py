@@ -1,12 +1,18 @@
 """Per-device message rate limit: a token bucket per device, so one device's flood is its own problem.
 
-Pure, like the engine: the caller passes `now`. A dropped message costs a dict lookup and some
-arithmetic, before any decoding; the drops are reported (logged and answered) at most once per
-REPORT_EVERY_S per device, so a flood cannot turn into a flood of log lines or error messages.
+The caller passes `now`. A dropped message costs a lock, a dict lookup and some arithmetic, before
+any decoding; the drops are reported (logged and answered) at most once per REPORT_EVERY_S per
+device, so a flood cannot turn into a flood of log lines or error messages.
+
+Thread-safe, and the one part of the coordinator that is: its service calls `admit` from paho's
+network thread, so a flood is dropped as it arrives and never queued, while the engine's thread
+counts the drops (`take_dropped`) and reports them. One lock guards all of it.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
 from dataclasses import dataclass
 
 REPORT_EVERY_S = 10.0
@@ -35,9 +41,15 @@ class MessageRateLimit:
         self.burst = burst if burst is not None else max(1.0, BURST_SECONDS * rate)
         self.max_devices = max_devices
         self._buckets: dict[str, _Bucket] = {}
+        self._uncounted: Counter[str] = Counter()  # drops per device that `take_dropped` has not handed out
+        self._lock = threading.Lock()
 
     def admit(self, device: str, now: float) -> bool:
-        """Whether this message of `device` may be handled; False: drop it unread."""
+        """Whether this message of `device` may be handled; False: drop it unread (and count it)."""
+        with self._lock:
+            return self._admit(device, now)
+
+    def _admit(self, device: str, now: float) -> bool:
         bucket = self._buckets.get(device)
         if bucket is None:
             if len(self._buckets) >= self.max_devices:
@@ -49,16 +61,24 @@ class MessageRateLimit:
             bucket.tokens -= 1.0
             return True
         bucket.dropped += 1
+        self._uncounted[device] += 1
         return False
+
+    def take_dropped(self) -> dict[str, int]:
+        """The messages dropped per device since the last call (the engine adds them to its counters)."""
+        with self._lock:
+            dropped, self._uncounted = dict(self._uncounted), Counter()
+            return dropped
 
     def report_due(self, device: str, now: float) -> int:
         """After a drop: the number of the device's messages dropped since its last report when a
         report is due (at most one per REPORT_EVERY_S), else 0."""
-        bucket = self._buckets.get(device)
-        if bucket is None or bucket.dropped == 0 or now - bucket.reported_at < REPORT_EVERY_S:
-            return 0
-        dropped, bucket.dropped, bucket.reported_at = bucket.dropped, 0, now
-        return dropped
+        with self._lock:
+            bucket = self._buckets.get(device)
+            if bucket is None or bucket.dropped == 0 or now - bucket.reported_at < REPORT_EVERY_S:
+                return 0
+            dropped, bucket.dropped, bucket.reported_at = bucket.dropped, 0, now
+            return dropped
 
     def _forget_refilled(self, now: float) -> None:
         full = [d for d, b in self._buckets.items() if b.tokens + (now - b.at) * self.rate >= self.burst]

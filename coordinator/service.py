@@ -1,9 +1,12 @@
 """The paho I/O around the Coordinator state machine: subscribe, feed, publish. Nothing else.
 
 The receive loop is the kernel's (fedper.mqtt.Session): paho's network thread only queues
-incoming messages, and this thread owns the Coordinator, so it needs no locks. QoS 1 messages are
-acknowledged after they were handled (and an accepted update checkpointed): a kill before that
-makes the broker redeliver them.
+incoming messages, and this thread owns the Coordinator, so it needs no locks. The exception is
+the per-device rate limit (Coordinator.admit, thread-safe): paho's network thread applies it to
+each message as it arrives and acknowledges what it drops right there, so a device's flood is
+never queued here nor waits for this thread (the engine counts the drops at its next tick).
+Admitted QoS 1 messages are acknowledged after they were handled (and an accepted update
+checkpointed): a kill before that makes the broker redeliver them.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ def run_service(
     subscriptions = [(f"{topics.base}/{kind}/+", 1) for kind in ("register", "presence", "update")]
     started = False
     try:
-        with Session(client, broker, subscriptions, log=log.warning) as session:
+        with Session(client, broker, subscriptions, log=log.warning,
+                     admit=lambda topic: coordinator.admit(topic, time.time())) as session:
             log.info("connecting to %s:%d (MQTT %s), fleet %s", broker.host, broker.port, protocol, topics.fleet)
             while not stop.is_set():
                 event = session.receive(timeout=0.1)
@@ -57,7 +61,7 @@ def run_service(
                     out = coordinator.announce(now) if started else coordinator.start(now)
                     started = True
                 elif event is not None:
-                    out = coordinator.handle(event.topic, event.payload, now)
+                    out = coordinator.handle(event.topic, event.payload, now, admitted=True)
                     session.ack(event)  # only now: an accepted update is checkpointed before the broker forgets it
                 if started:
                     out += coordinator.tick(now)

@@ -9,7 +9,10 @@ that lost its broker at once does not come back at once (paho's own backoff has 
 
 `Session` is the receive loop: paho's network thread only puts what arrives (each message, and a
 `Connected` marker after every connect) on a queue, and the one thread that calls `receive` owns
-the role's engine, so the engine needs no locks.
+the role's engine, so the engine needs no locks. The one exception is an `admit` filter, which runs
+in the network thread: what it refuses is acknowledged there and never queued, so a flood costs
+the receiving side microseconds a message instead of a place in the queue and a trip through the
+engine (the filter must be thread-safe).
 """
 
 from __future__ import annotations
@@ -162,11 +165,14 @@ class Session:
     (topic, payload) published retained at QoS 1, and waited for, before a clean disconnect (the
     broker sends the last will only when a client vanishes). log: where "lost the broker" goes.
     backoff: how long paho waits before each reconnect attempt (default: the coordinator's prompt one).
+    admit: called with each message's topic in paho's network thread; a message it refuses is dropped
+    there (a QoS 1 one acknowledged at once, for good) and never reaches `receive`.
     """
 
     def __init__(self, client: mqtt.Client, broker: BrokerUrl, subscriptions: Sequence[tuple[str, int]], *,
                  log: Callable[[str], None], farewell: tuple[str, bytes] | None = None,
-                 backoff: Backoff | None = None, forget: Iterable[str] = ()) -> None:
+                 backoff: Backoff | None = None, forget: Iterable[str] = (),
+                 admit: Callable[[str], bool] | None = None) -> None:
         self.client, self.broker = client, broker
         self._subscriptions = dict(subscriptions)
         self._always_forget = frozenset(forget)
@@ -177,12 +183,19 @@ class Session:
         self._established = False
         self._inbox: queue.Queue[Connected | Received | _Refused] = queue.Queue()
         self._closing = False
+        self._admit = admit
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_connect_fail = lambda client, userdata: self._wait_before_next(self._backoff.after_failure())
-        client.on_message = lambda client, userdata, msg: self._inbox.put(
-            Received(msg.topic, bytes(msg.payload), msg.mid, msg.qos))
+        client.on_message = self._on_message
         connect_async(client, broker)
+
+    def _on_message(self, client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
+        topic = msg.topic
+        if self._admit is not None and not self._admit(topic):
+            client.ack(msg.mid, msg.qos)  # a no-op unless manual_ack: the broker may forget a dropped message
+            return
+        self._inbox.put(Received(topic, bytes(msg.payload), msg.mid, msg.qos))
 
     def _on_connect(self, client: mqtt.Client, userdata: object, flags: object, reason: object, props: object) -> None:
         if getattr(reason, "is_failure", False):

@@ -64,6 +64,21 @@ def test_rate_limit_admits_bursts_refills_and_reports_once_per_window() -> None:
     assert limit.report_due("dev", REPORT_EVERY_S + 0.01) == 51
 
 
+def test_rate_limit_counts_every_drop_of_concurrent_threads_once() -> None:
+    """The service admits in paho's network thread while the engine takes the drop counts in its own:
+    every message is either admitted or handed out as dropped exactly once."""
+    limit = MessageRateLimit(rate=1, burst=1000)
+    taken: list[dict[str, int]] = []
+    flooding = [threading.Thread(target=lambda d=d: [limit.admit(d, 0.0) for _ in range(20_000)]) for d in "ab"]
+    for thread in flooding:
+        thread.start()
+    while any(thread.is_alive() for thread in flooding):
+        taken.append(limit.take_dropped())
+    taken.append(limit.take_dropped())
+    assert {d: sum(t.get(d, 0) for t in taken) for d in "ab"} == {"a": 19_000, "b": 19_000}
+    assert limit.take_dropped() == {}
+
+
 def test_rate_limit_forgets_only_refilled_buckets() -> None:
     limit = MessageRateLimit(rate=1, burst=2, max_devices=3)
     for device in ("a", "b", "c"):
