@@ -135,6 +135,33 @@ def test_engine_drops_a_flood_early_answers_once_per_window_and_folds_every_hone
     assert len([r for r in caplog.records if "rate_limited flooder" in r.getMessage()]) == len(answers)
 
 
+def test_engine_counts_what_admit_dropped_in_another_thread_at_its_next_tick(tmp_path: Path) -> None:
+    """The service's network thread calls `admit` (the engine's one thread-safe method) and drops a
+    flood there; the engine's thread counts every drop at its next tick and answers once, and a
+    message admitted there is handled without spending a second token."""
+    manifest, initial = tiny_manifest(), tiny_tensors()
+    config = Config(rounds=1, min_clients=1, round_timeout=60, max_messages_per_second=10)
+    coordinator = Coordinator(manifest, initial, Topics("lab"), config, Store(tmp_path))
+    coordinator.start(0.0)
+    burst = coordinator._rate.burst
+    topic = "fedper/v1/lab/update/flooder"
+    admitted: list[bool] = []
+    network = threading.Thread(target=lambda: admitted.extend(coordinator.admit(topic, 1.0) for _ in range(5_000)))
+    network.start()
+    network.join()
+    assert admitted.count(True) == burst and coordinator.counters["rate_limited"] == 0
+    answers = coordinator.tick(1.0)
+    assert coordinator.counters["rate_limited"] == coordinator.round.rejected["rate_limited"] == 5_000 - burst
+    assert [json.loads(a.payload)["code"] for a in answers if a.topic.endswith("/error/flooder")] == ["rate_limited"]
+    assert coordinator.admit("not/a/device/topic", 1.0)  # passes: handle refuses it, counted as bad_message
+    register_topic = "fedper/v1/lab/register/dev0"
+    assert coordinator.admit(register_topic, 100.0)
+    coordinator.handle(register_topic, register(10, manifest.base_digest), 100.0, admitted=True)
+    assert "dev0" in coordinator.registered
+    assert coordinator._rate._buckets["dev0"].tokens == burst - 1  # one token for the message, not two
+    assert coordinator._rate.take_dropped() == {}
+
+
 def _update_blob(manifest: Manifest, initial: dict, delta: float) -> bytes:
     """An fp32 update: safetensors written by hand (8-byte header length, JSON header, raw data)."""
     tensors = {t.name: initial[t.name] + delta for t in manifest.shared_tensors}
