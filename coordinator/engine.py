@@ -11,6 +11,13 @@ the blobs after it.
 
 With a number of clients per round, a round invites devices by fedper.selection's seeded ranking
 (checkpointed with the round) and refuses an update from any other before reassembling it.
+
+With a noise multiplier (differential privacy, docs/privacy.md) each round folds with fedper.privacy's
+DPFedAvg instead of the weighted mean: clipped deltas, uniform weights, Gaussian noise drawn from a
+generator derived from the run's secret and the round number. The secret and the accountant are
+checkpointed in state.json, and the rule's float64 sums like the mean's, so a restart releases the same
+model bit for bit. Each closed round is recorded in the accountant; before the next round opens, its
+projected epsilon is checked against the budget, which stops the run or warns.
 """
 
 from __future__ import annotations
@@ -18,11 +25,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
+import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -31,6 +40,7 @@ from fedper.coordinator.quota import BURST_SECONDS, MessageRateLimit
 from fedper.coordinator.store import FINAL_FILE, CheckpointError, Store
 from fedper.manifest import Manifest
 from fedper.payload import decode_shared, encode_shared, max_blob_size
+from fedper.privacy import DPFedAvg, PrivacyAccountant, budget_action, private_tensor_names, round_generator
 from fedper.selection import invitations, select
 from fedper.wire import (
     DEFAULT_CHUNK_SIZE,
@@ -60,7 +70,8 @@ MAX_REJECTED_PER_DEVICE = 1_000  # refused blob ids remembered per device (its l
 MAX_REJECTED_DEVICES = 10_000
 DEFAULT_MAX_SAMPLES_PER_DEVICE = 1_000_000  # a registration claiming more is refused (too_many_samples)
 DEFAULT_REASSEMBLY_BYTES = 1 << 30  # all devices' partial uploads together, unless 4 devices' quotas are more
-PARTIAL_EVERY = 8  # weighted mean: a checkpoint of its float64 sum per this many accepted updates
+PARTIAL_EVERY = 8  # weighted mean (or DP rule): a checkpoint of its float64 sum per this many accepted updates
+DEFAULT_DP_DELTA = 1e-5  # the delta epsilon is reported at; choose it below 1 / (registered devices)
 
 
 @dataclass(frozen=True)
@@ -81,6 +92,21 @@ class Config:
     clients_per_round: int | None = None  # M: a round closes at M accepted updates; None: every registered device
     over_select: float = 1.0  # F: a round invites ceil(F * M) devices, to absorb those that drop out
     selection_seed: int = 0  # the seed of fedper.selection's ranking
+    dp_noise_multiplier: float | None = None  # z: DP-FedAvg with noise std z * clip_norm on the sum; None: no DP
+    dp_delta: float = DEFAULT_DP_DELTA
+    dp_target_epsilon: float | None = None  # the budget: no round opens whose projected epsilon exceeds it
+    dp_budget_action: Literal["stop", "warn"] = "stop"
+
+
+@dataclass
+class _Privacy:
+    """The run's DP state that a restart must keep: the noise secret (as sensitive as the clear updates:
+    whoever knows it can subtract the noise), the accountant, and whether the budget stopped the run."""
+
+    secret: int
+    accountant: PrivacyAccountant
+    epsilon: float = 0.0  # after the closed rounds (cached: the state message is sent often)
+    stopped: bool = False
 
 
 @dataclass(frozen=True)
@@ -138,6 +164,7 @@ class Coordinator:
                 raise ValueError(f"--min-clients {config.min_clients} is above --clients-per-round "
                                  f"{config.clients_per_round}: a round closes at --clients-per-round updates")
         self.manifest, self.topics, self.config, self.store = manifest, topics, config, store
+        self.dp = self._privacy(config)
         self.digest = manifest.base_digest
         self.model = decode_shared(manifest, encode_shared(manifest, initial))  # validated copy
         self.registered: dict[str, Registration] = {}
@@ -146,7 +173,9 @@ class Coordinator:
         self.finished = False
         self.online: set[str] = set()
         self.fold_seconds = 0.0  # spent folding and checkpointing accepted updates in this process (monitoring)
-        self._aggregator: Any = AGGREGATORS[config.aggregator]()
+        self.bytes_sent = 0  # payload bytes the service published for this process (monitoring)
+        self._aggregator: Any = self._new_rule()
+        self._dp_partial_meta: dict[str, Any] | None = None  # the DP rule's meta when its partial sums were written
         self._reassembler, self._rate = self._quotas(manifest, config)
         self._rejected: dict[str, set[str]] = {}  # device -> blob ids refused (and answered) in the open round
         self._deadline = 0.0
@@ -293,6 +322,10 @@ class Coordinator:
 
     def note_broadcast(self, seconds: float) -> None:
         self._broadcast_s += seconds
+
+    def note_sent(self, n_bytes: int) -> None:
+        """The service published this many payload bytes (monitoring; not checkpointed)."""
+        self.bytes_sent += n_bytes
 
     # ------------------------------------------------------------ messages
 

@@ -47,6 +47,7 @@ class _Snapshot:
     accepted_total: int
     refusals: dict[str, int] = field(default_factory=dict)
     received_bytes: int = 0
+    sent_bytes: int = 0
     accuracy: float | None = None
 
 
@@ -100,6 +101,7 @@ class CoordinatorMetrics:
             accepted_total=counters["accepted"],
             refusals={code: n for code, n in counters.items() if code != "accepted"},
             received_bytes=self._closed_bytes + coordinator.round.bytes_received,
+            sent_bytes=coordinator.bytes_sent,
             accuracy=self._accuracy,
         )
 
@@ -180,6 +182,9 @@ class _SnapshotCollector(Collector):
         yield refusals
         yield CounterMetricFamily("fedper_received_bytes", "Bytes of update messages received (closed rounds "
                                   "and the open one).", value=s.received_bytes)
+        yield CounterMetricFamily("fedper_sent_bytes", "Payload bytes this coordinator process published (models, "
+                                  "round and state messages, answers); starts at 0 when the process does.",
+                                  value=s.sent_bytes)
         if s.accuracy is not None:
             yield GaugeMetricFamily("fedper_round_accuracy", "Mean accuracy the devices reported in the last "
                                     "closed round.", value=s.accuracy)

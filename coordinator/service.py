@@ -78,6 +78,7 @@ def _publish(client: mqtt.Client, coordinator: Coordinator, messages: list[Outgo
     """Publish in order; time the round's model broadcast until the broker acknowledged it."""
     started = time.perf_counter()
     pending = []
+    coordinator.note_sent(sum(len(m.payload) for m in messages))
     for m in messages:
         info = client.publish(m.topic, m.payload, qos=m.qos, retain=m.retain)
         if m.broadcast or wait_all:

@@ -217,6 +217,8 @@ def test_a_real_prometheus_scrapes_accepted_updates_of_a_live_round(mosquitto, t
         registered = query(prometheus_port, "fedper_devices_registered")
         assert [float(r["value"][1]) for r in registered] == [2]
         assert query(prometheus_port, "up{job='fedper-coordinator'}")[0]["value"][1] == "1"
+        (sent,) = query(prometheus_port, "fedper_sent_bytes_total")  # at least round 1's model went out
+        assert float(sent["value"][1]) > len(encode_shared(MANIFEST, tiny_tensors()))
         for expression in dashboard_queries():  # every dashboard panel's query is valid PromQL for this Prometheus
             query(prometheus_port, expression)
     finally:  # the processes fixture kills the coordinator and Prometheus
