@@ -9,7 +9,7 @@ path runs the very same rule).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -85,7 +85,7 @@ def _weight(n_samples: float, total_weight: float) -> float:
     return weight
 
 
-def _check_layout(tensors: Mapping[str, Tensor], shapes: Mapping[str, tuple[int, ...]] | None) -> None:
+def check_layout(tensors: Mapping[str, Tensor], shapes: Mapping[str, tuple[int, ...]] | None) -> None:
     """Every value an array of numbers and, when a layout is set, exactly its names and shapes; ValueError otherwise."""
     for name, value in tensors.items():
         dtype = getattr(value, "dtype", None)
@@ -130,7 +130,7 @@ class WeightedMean:
         """Fold one update in, all or nothing: every check (the weight, the layout) runs before the sum
         changes, so a refused update (ValueError) leaves the rule as it was."""
         weight = _weight(n_samples, self.total_weight)
-        _check_layout(tensors, {name: acc.shape for name, acc in self._sum.items()} if self._sum else None)
+        check_layout(tensors, {name: acc.shape for name, acc in self._sum.items()} if self._sum else None)
         if not self._sum and all(isinstance(value, np.ndarray) for value in tensors.values()):
             self._lay_out({name: value.shape for name, value in tensors.items()})
         for name, value in tensors.items():
@@ -221,7 +221,7 @@ class _Collect:
         """Keep one update, all or nothing: a refused one (ValueError) leaves the rule as it was."""
         weight = _weight(n_samples, self.total_weight)
         first = self._updates[0] if self._updates else None
-        _check_layout(tensors, {name: value.shape for name, value in first.items()} if first else None)
+        check_layout(tensors, {name: value.shape for name, value in first.items()} if first else None)
         self._updates.append(dict(tensors))
         self.total_weight += weight
         self.count += 1
@@ -258,11 +258,27 @@ class TrimmedMean(_Collect):
         return ordered[k : len(stacked) - k].mean(axis=0)
 
 
+def as_float64(value: Tensor) -> Tensor:
+    """A numpy array or a torch tensor in float64 (a copy)."""
+    return value.astype(np.float64) if isinstance(value, np.ndarray) else value.double()
+
+
+def _squared_norm(value: Tensor) -> float:
+    return float((value * value).sum())
+
+
+def delta_norm(tensors: Mapping[str, Tensor], reference: Mapping[str, Tensor], names: Iterable[str]) -> float:
+    """L2 norm of (tensors - reference) over `names`, computed in float64 one tensor at a time."""
+    return math.sqrt(sum(_squared_norm(as_float64(tensors[n]) - as_float64(reference[n])) for n in names))
+
+
+def clip_factor(norm: float, clip_norm: float) -> float:
+    """The scale that brings a delta of L2 norm `norm` to at most `clip_norm` (1 when it is already within)."""
+    return 1.0 if norm <= clip_norm else clip_norm / norm
+
+
 def clip_update(tensors: Mapping[str, Any], reference: Mapping[str, Any], max_norm: float) -> dict[str, Any]:
     """Scale the update (tensors - reference) down to an L2 norm of at most max_norm (over all tensors)."""
-    deltas = {n: np.asarray(tensors[n], dtype=np.float64) - np.asarray(reference[n], dtype=np.float64) for n in tensors}
-    norm = float(np.sqrt(sum(float((d * d).sum()) for d in deltas.values())))
-    scale = 1.0 if norm <= max_norm else max_norm / norm
-    return {
-        n: (np.asarray(reference[n], dtype=np.float64) + deltas[n] * scale).astype(tensors[n].dtype) for n in tensors
-    }
+    scale = clip_factor(delta_norm(tensors, reference, tensors), max_norm)
+    return {n: (as_float64(reference[n]) + (as_float64(tensors[n]) - as_float64(reference[n])) * scale)
+            .astype(tensors[n].dtype) for n in tensors}

@@ -52,7 +52,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from fedper.aggregation import _check_layout
+from fedper.aggregation import as_float64, check_layout, clip_factor, delta_norm
 from fedper.manifest import Manifest
 
 Tensor = Any  # numpy.ndarray or torch.Tensor
@@ -72,30 +72,12 @@ def round_generator(secret: int, round_index: int) -> np.random.Generator:
     return np.random.default_rng([secret, round_index])
 
 
-def _as_float64(value: Tensor) -> Tensor:
-    return value.astype(np.float64) if isinstance(value, np.ndarray) else value.double()
-
-
-def _squared_norm(value: Tensor) -> float:
-    return float((value * value).sum())
-
-
-def delta_norm(tensors: Mapping[str, Tensor], reference: Mapping[str, Tensor], names: Iterable[str]) -> float:
-    """L2 norm of (tensors - reference) over `names`, computed in float64 one tensor at a time."""
-    return math.sqrt(sum(_squared_norm(_as_float64(tensors[n]) - _as_float64(reference[n])) for n in names))
-
-
-def clip_factor(norm: float, clip_norm: float) -> float:
-    """The scale that brings a delta of L2 norm `norm` to at most `clip_norm` (1 when it is already within)."""
-    return 1.0 if norm <= clip_norm else clip_norm / norm
-
-
 def clip_delta(tensors: Mapping[str, Tensor], reference: Mapping[str, Tensor], clip_norm: float,
                names: Iterable[str]) -> dict[str, Tensor]:
     """(tensors - reference) over `names`, float64, scaled to an L2 norm of at most clip_norm."""
     names = list(names)
     scale = clip_factor(delta_norm(tensors, reference, names), clip_norm)
-    return {n: (_as_float64(tensors[n]) - _as_float64(reference[n])) * scale for n in names}
+    return {n: (as_float64(tensors[n]) - as_float64(reference[n])) * scale for n in names}
 
 
 def _gaussian_like(rng: np.random.Generator, like: Tensor, std: float) -> Tensor:
@@ -157,13 +139,13 @@ class DPFedAvg:
         """Fold one update in, all or nothing (a ValueError leaves the rule as it was); returns the delta's
         norm before clipping (for metrics and adaptive clipping's choice of a target)."""
         weight = self.weight(n_samples)
-        _check_layout(tensors, self._shapes)
+        check_layout(tensors, self._shapes)
         norm = delta_norm(tensors, self.reference, self.private_names)
         if not math.isfinite(norm):
             raise ValueError("an update with a non-finite delta norm (NaN or Inf) cannot be clipped")
         scale = weight * clip_factor(norm, self.clip_norm)
         for name in self.private_names:
-            delta = (_as_float64(tensors[name]) - _as_float64(self.reference[name])) * scale
+            delta = (as_float64(tensors[name]) - as_float64(self.reference[name])) * scale
             if name in self._sum:
                 self._sum[name] += delta
             else:
@@ -190,7 +172,7 @@ class DPFedAvg:
                 out[name] = ref.astype(cast) if isinstance(ref, np.ndarray) else ref.clone().to(cast)
                 continue
             noisy = self._sum[name] + _gaussian_like(self.rng, self._sum[name], self.noise_multiplier * self.clip_norm)
-            model = _as_float64(ref) + noisy / self.expected_weight
+            model = as_float64(ref) + noisy / self.expected_weight
             out[name] = model.astype(cast) if isinstance(model, np.ndarray) else model.to(cast)
         return out
 
