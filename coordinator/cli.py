@@ -42,7 +42,18 @@ def run(
     tls_ca: Path = typer.Option(None, help="CA certificate (PEM) to verify the broker with; implies TLS."),
     chunk_size: int = typer.Option(63 * 1024, min=1, help="Bytes of tensor data per MQTT message."),
     aggregator: str = typer.Option("mean", help="mean (n_j-weighted, streaming), median or trimmed-mean."),
-    clip_norm: float = typer.Option(None, min=0.0, help="Clip each update's L2 distance to the model to this."),
+    clip_norm: float = typer.Option(None, min=0.0, help="Clip each update's L2 distance to the model to this "
+                                    "(with --dp-noise-multiplier: DP's clip norm C, required)."),
+    dp_noise_multiplier: float = typer.Option(
+        None, min=0.0, help="Differential privacy (docs/privacy.md): DP-FedAvg with Gaussian noise of std z * "
+                            "--clip-norm on the sum of the clipped updates (default: off)."),
+    dp_delta: float = typer.Option(1e-5, min=0.0, max=1.0, help="The delta epsilon is reported at (with "
+                                   "--dp-noise-multiplier); keep it below 1 / (registered devices)."),
+    dp_target_epsilon: float = typer.Option(
+        None, min=0.0, help="Privacy budget: before each round, the epsilon it would bring is checked against "
+                            "this (default: no budget, epsilon only reported)."),
+    dp_budget_action: str = typer.Option("stop", help="stop (finish the run with the last model released "
+                                         "within budget) or warn (log and go on) at --dp-target-epsilon."),
     max_samples_per_device: int = typer.Option(
         1_000_000, min=1, help="Largest n_samples a device may register (its weight in the mean); a registration "
                                "above is refused (too_many_samples)."),
@@ -91,7 +102,9 @@ def run(
                         max_uploads_per_device=max_uploads_per_device,
                         max_upload_bytes_per_device=max_upload_bytes_per_device,
                         max_reassembly_bytes=max_reassembly_bytes, max_messages_per_second=max_messages_per_second,
-                        clients_per_round=clients_per_round, over_select=over_select, selection_seed=selection_seed)
+                        clients_per_round=clients_per_round, over_select=over_select, selection_seed=selection_seed,
+                        dp_noise_multiplier=dp_noise_multiplier, dp_delta=dp_delta,
+                        dp_target_epsilon=dp_target_epsilon, dp_budget_action=dp_budget_action)
         coordinator = Coordinator(manifest, initial, Topics(fleet), config, Store(state_dir))
     except (ValueError, KeyError, OSError, ManifestError, WireError, CheckpointError) as e:
         typer.echo(f"fedper-coordinator: {e}", err=True)

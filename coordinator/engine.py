@@ -31,7 +31,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -95,7 +95,7 @@ class Config:
     dp_noise_multiplier: float | None = None  # z: DP-FedAvg with noise std z * clip_norm on the sum; None: no DP
     dp_delta: float = DEFAULT_DP_DELTA
     dp_target_epsilon: float | None = None  # the budget: no round opens whose projected epsilon exceeds it
-    dp_budget_action: Literal["stop", "warn"] = "stop"
+    dp_budget_action: str = "stop"  # at the budget: "stop" or "warn"
 
 
 @dataclass
@@ -234,13 +234,27 @@ class Coordinator:
             self.round.selected = True
             self.round.invited = set(r["selection"]["invited"])
             self.round.invite_cap = r["selection"]["invite_cap"]
+        if (self.dp is None) != ("dp" not in saved):
+            raise ValueError(f"{self.store.dir} holds a run {'without' if self.dp else 'with'} differential "
+                             f"privacy: resume it with the same mode, or use a fresh --state-dir")
+        if self.dp is not None:
+            self.dp.secret = int(saved["dp"]["secret"], 16)
+            self.dp.accountant = PrivacyAccountant.from_json(saved["dp"]["accountant"])
+            self.dp.stopped = saved["dp"]["stopped"]
+            self.dp.epsilon = self.dp.accountant.epsilon()
+            self._aggregator = self._new_rule()
         if saved.get("partial"):
             self._files.partial = saved["partial"]
-            blobs = saved.get("updates", {})  # the partial sum holds the folded updates not kept as blobs
-            in_partial = [f.n_samples for device, f in self.round.folded.items() if device not in blobs]
-            dtypes = {t.name: t.dtype for t in self.manifest.shared_tensors}
-            self._aggregator = WeightedMean.from_sums(self.store.read_tensors(saved["partial"]),
-                                                      float(sum(in_partial)), len(in_partial), dtypes)
+            sums = self.store.read_tensors(saved["partial"])
+            if self.dp is not None:
+                self._dp_partial_meta = saved["dp"]["partial_meta"]
+                self._aggregator = DPFedAvg.resume(self.model, sums, self._dp_partial_meta,
+                                                   round_generator(self.dp.secret, self.round.number))
+            else:
+                blobs = saved.get("updates", {})  # the partial sum holds the folded updates not kept as blobs
+                in_partial = [f.n_samples for device, f in self.round.folded.items() if device not in blobs]
+                dtypes = {t.name: t.dtype for t in self.manifest.shared_tensors}
+                self._aggregator = WeightedMean.from_sums(sums, float(sum(in_partial)), len(in_partial), dtypes)
         for device, blob_name in saved.get("updates", {}).items():
             self._files.updates[device] = blob_name
             tensors = decode_shared(self.manifest, self.store.read_bytes(blob_name), base=self.model)
@@ -405,9 +419,11 @@ class Coordinator:
             raise WireError("rejected", f"the aggregation rule refused the update: {e}") from None
         self.round.folded[device] = Folded(n_samples, metrics)
         files = self._files
-        if isinstance(self._aggregator, WeightedMean) and len(files.updates) + 1 >= PARTIAL_EVERY:
+        if isinstance(self._aggregator, (WeightedMean, DPFedAvg)) and len(files.updates) + 1 >= PARTIAL_EVERY:
             files.partial = self.store.write_tensors(f"partial-r{k}-{len(self.round.folded)}.safetensors",
                                                      self._aggregator.sums())
+            if self.dp is not None:
+                self._dp_partial_meta = self._aggregator.meta()
             files.updates = {}  # the partial covers them; the commit deletes their files
         else:
             files.updates[device] = self.store.write_bytes(f"update-r{k}-{device}.safetensors", blob)
@@ -418,8 +434,8 @@ class Coordinator:
                  metrics.get("accuracy", "n/a"), len(self.round.folded), self.invited_count)
 
     def _prepared(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Clipped (with --clip-norm) against the round's base."""
-        if self.config.clip_norm is not None:
+        """Clipped (with --clip-norm) against the round's base; under DP the rule clips (the trainable tensors)."""
+        if self.config.clip_norm is not None and self.dp is None:
             tensors = clip_update(tensors, self.model, self.config.clip_norm)
         return tensors
 
@@ -521,16 +537,22 @@ class Coordinator:
 
     def _close_round(self, now: float) -> list[Outgoing]:
         started = time.perf_counter()
+        closed = self.round
+        if self.dp is not None:  # the fixed denominator: the devices a round expects to fold, not who came
+            self._aggregator.expected_weight = float(self._expected_participants())
         result = self._aggregator.result()
         self.model = {t.name: result[t.name].astype(t.dtype) for t in self.manifest.shared_tensors}
         aggregate_s = time.perf_counter() - started
-        closed = self.round
         record = self._metrics(closed, now, aggregate_s)
-        self.finished = closed.number >= self.config.rounds
+        last = closed.number >= self.config.rounds
+        if self.dp is not None:
+            record["dp"] = self._account(closed, last)
+        self.finished = last or (self.dp is not None and self.dp.stopped)
         self.round = _Round(closed.number if self.finished else closed.number + 1)
         if self.selecting and not self.finished:
             self._select()
-        self._aggregator = AGGREGATORS[self.config.aggregator]()
+        self._aggregator = self._new_rule()
+        self._dp_partial_meta = None
         self._reassembler.discard()
         self._rejected.clear()
         self._files = _Files(self.store.write_tensors(f"model-r{closed.number + 1}.safetensors", self.model))
@@ -567,6 +589,97 @@ class Coordinator:
             **({"invited": len(closed.invited)} if self.selecting else {}),
         }
 
+    # ------------------------------------------------------------ differential privacy (--dp-noise-multiplier)
+
+    @staticmethod
+    def _privacy(config: Config) -> _Privacy | None:
+        """The run's DP state, a fresh secret (a resumed run replaces it with its own); None without DP."""
+        z = config.dp_noise_multiplier
+        if z is None:
+            if config.dp_target_epsilon is not None:
+                raise ValueError("--dp-target-epsilon needs --dp-noise-multiplier")
+            return None
+        if not (math.isfinite(z) and z >= 0):
+            raise ValueError(f"--dp-noise-multiplier must be >= 0, got {z}")
+        if config.clip_norm is None or not config.clip_norm > 0:
+            raise ValueError("--dp-noise-multiplier needs --clip-norm > 0: the bound each update is clipped to")
+        if config.aggregator != "mean":
+            raise ValueError(f"--dp-noise-multiplier replaces the mean with DP-FedAvg; --aggregator "
+                             f"{config.aggregator} cannot be combined with it")
+        if config.dp_budget_action not in ("stop", "warn"):
+            raise ValueError(f"--dp-budget-action must be stop or warn, got {config.dp_budget_action!r}")
+        accountant = PrivacyAccountant(config.dp_delta)
+        try:
+            accountant.epsilon()  # imports dp-accounting now rather than at the first round's close
+        except ImportError as e:
+            raise ValueError(str(e)) from None
+        dp = _Privacy(secrets.randbits(128), accountant)
+        if not config.clients_per_round and budget_action(accountant.projected_epsilon(1.0, z),
+                                                          config.dp_target_epsilon, "stop") == "stop":
+            raise ValueError(f"--dp-target-epsilon {config.dp_target_epsilon}: one round with every device at "
+                             f"noise multiplier {z} already spends more (epsilon "
+                             f"{accountant.projected_epsilon(1.0, z):.4g} at delta {config.dp_delta})")
+        return dp
+
+    def _new_rule(self) -> Any:
+        """The open round's aggregation rule: DP-FedAvg with this round's noise under DP, else --aggregator."""
+        if self.dp is None:
+            return AGGREGATORS[self.config.aggregator]()
+        return DPFedAvg(self.model, clip_norm=float(self.config.clip_norm or 0), expected_weight=1.0,
+                        noise_multiplier=float(self.config.dp_noise_multiplier or 0),
+                        rng=round_generator(self.dp.secret, self.round.number),
+                        private_names=private_tensor_names(self.manifest))
+
+    def _expected_participants(self) -> int:
+        """DP-FedAvg's denominator m: the updates a round closes at (M with --clients-per-round, else every
+        registered device), whoever actually answered: data-independent, so the noise z*C/m hides one device."""
+        return max(1, self.config.clients_per_round or len(self.registered))
+
+    def _sampling_rate(self, closed: _Round) -> float:
+        """q for the accountant: invited / registered with --clients-per-round, else 1. The accountant assumes
+        Poisson sampling; a fixed number of invitations is approximated by its rate (docs/privacy.md)."""
+        if not self.selecting:
+            return 1.0
+        return min(1.0, max(len(closed.invited), 1) / max(len(self.registered), 1))
+
+    def _account(self, closed: _Round, last: bool) -> dict[str, Any]:
+        """Record the released round, then check the next one's projected epsilon against the budget; the
+        closed round's DP figures for metrics.jsonl."""
+        dp, config, rule = self.dp, self.config, self._aggregator
+        assert dp is not None
+        z, q = float(config.dp_noise_multiplier or 0), self._sampling_rate(closed)
+        if config.dp_delta * len(self.registered) >= 1:
+            log.warning("--dp-delta %g is not below 1/N for N = %d registered devices: epsilon means little",
+                        config.dp_delta, len(self.registered))
+        dp.accountant.record(q, z)
+        dp.epsilon = dp.accountant.epsilon()
+        if not last:
+            projected = dp.accountant.projected_epsilon(q, z)
+            action = budget_action(projected, config.dp_target_epsilon, config.dp_budget_action)
+            if action != "continue":
+                log.warning("privacy budget: round %d would bring epsilon to %.4g, above --dp-target-epsilon %g "
+                            "(delta %g)%s", closed.number + 1, projected, config.dp_target_epsilon, config.dp_delta,
+                            f": run stopped, the final model is round {closed.number}'s" if action == "stop"
+                            else ": going on (--dp-budget-action warn)")
+                dp.stopped = action == "stop"
+        log.info("round %d: DP epsilon %.4g at delta %g (q %.4g, z %g, %d of %d update(s) within --clip-norm)",
+                 closed.number, dp.epsilon, config.dp_delta, q, z, rule.unclipped, rule.count)
+        return {"epsilon": dp.epsilon, "delta": config.dp_delta, "sampling_rate": q, "noise_multiplier": z,
+                "clip_norm": rule.clip_norm, "noise_std": rule.noise_std, "expected_participants": rule.expected_weight,
+                "unclipped": rule.unclipped, "stopped": dp.stopped}
+
+    def _privacy_summary(self) -> dict[str, Any]:
+        dp, config = self.dp, self.config
+        assert dp is not None
+        return {"epsilon": dp.epsilon, "delta": config.dp_delta, "target_epsilon": config.dp_target_epsilon,
+                "noise_multiplier": config.dp_noise_multiplier, "clip_norm": config.clip_norm,
+                "rounds_accounted": dp.accountant.rounds, "budget_stopped": dp.stopped}
+
+    @property
+    def dp_epsilon(self) -> float | None:
+        """Epsilon spent by the rounds released so far (at --dp-delta); None without DP."""
+        return None if self.dp is None else self.dp.epsilon
+
     def _commit(self, registry: bool = False) -> None:
         """Make the open round current in state.json; with `registry`, first write the registry file if a
         registration changed. Only then is the commit O(fleet), so an accepted update asks for it only when
@@ -591,6 +704,10 @@ class Coordinator:
             "counters": dict(self.counters),
             "finished": self.finished,
             "base_digest": self.digest,
+            **({"dp": {"secret": f"{self.dp.secret:x}", "accountant": self.dp.accountant.to_json(),
+                       "stopped": self.dp.stopped,
+                       "partial_meta": self._dp_partial_meta if self._files.partial else None}}
+               if self.dp is not None else {}),
         })
         self._state_dirty = True
 
@@ -643,6 +760,7 @@ class Coordinator:
             "min_clients": self.config.min_clients, "counters": dict(self.counters), "time": now,
             **({"invited": len(self.round.invited), "clients_per_round": self.config.clients_per_round}
                if self.selecting else {}),
+            **({"dp": self._privacy_summary()} if self.dp is not None else {}),
         }
 
     def state_message(self, now: float) -> Outgoing:

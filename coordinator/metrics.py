@@ -49,6 +49,7 @@ class _Snapshot:
     received_bytes: int = 0
     sent_bytes: int = 0
     accuracy: float | None = None
+    dp_epsilon: float | None = None
 
 
 class CoordinatorMetrics:
@@ -103,6 +104,7 @@ class CoordinatorMetrics:
             received_bytes=self._closed_bytes + coordinator.round.bytes_received,
             sent_bytes=coordinator.bytes_sent,
             accuracy=self._accuracy,
+            dp_epsilon=coordinator.dp_epsilon,
         )
 
     def _observe_folds(self, accepted: int, fold_seconds: float) -> None:
@@ -188,3 +190,6 @@ class _SnapshotCollector(Collector):
         if s.accuracy is not None:
             yield GaugeMetricFamily("fedper_round_accuracy", "Mean accuracy the devices reported in the last "
                                     "closed round.", value=s.accuracy)
+        if s.dp_epsilon is not None:
+            yield GaugeMetricFamily("fedper_dp_epsilon", "Differential privacy spent by the rounds released so far: "
+                                    "epsilon at --dp-delta (with --dp-noise-multiplier).", value=s.dp_epsilon)
