@@ -112,7 +112,7 @@ class AgentConfig:
     tls_ca: str | None = None
     mqtt_version: str = "5"
     chunk_size: int = DEFAULT_CHUNK_SIZE
-    compression: str = "fp32"  # update codec (fedper.compression): fp32, fp16, int8 or int8-delta
+    compression: str = "fp32"  # update codec: one of fedper.compression.CODECS
     only_when: tuple[str, ...] = ()  # eligibility conditions (fedper.edge.eligibility), all must hold
     recheck_s: float = 60.0  # while not eligible, check the conditions again after this long
     reconnect_spread_s: float = 30.0  # after losing the broker, reconnect within this window (fedper.mqtt.Backoff)

@@ -103,7 +103,7 @@ def run_fleet(coordinator: subprocess.Popen, agents: list[Agent], logs: list[str
         coordinator.kill()
 
 
-@pytest.mark.parametrize("compression", ["fp32", "int8-delta"])
+@pytest.mark.parametrize("compression", ["fp32", "int8-delta", "int8-delta-pc"])
 def test_two_agents_two_rounds_match_an_independent_computation(tmp_path: Path, artifacts: Path, mosquitto,
                                                                 compression: str) -> None:
     """The agents' FedPer through a real coordinator is the computation by hand, codec included
