@@ -148,6 +148,12 @@ class _Round:
     invite_cap: int = 0  # invitations it may make: ceil(F * M), raised at an extension to replace dropouts
 
 
+def _json_epsilon(epsilon: float) -> float | None:
+    """Epsilon for JSON (metrics.jsonl, the state topic): null when unbounded (a noise multiplier of 0), since
+    JSON has no infinity."""
+    return epsilon if math.isfinite(epsilon) else None
+
+
 class Coordinator:
     def __init__(self, manifest: Manifest, initial: Mapping[str, np.ndarray], topics: Topics, config: Config,
                  store: Store) -> None:
@@ -664,14 +670,16 @@ class Coordinator:
                 dp.stopped = action == "stop"
         log.info("round %d: DP epsilon %.4g at delta %g (q %.4g, z %g, %d of %d update(s) within --clip-norm)",
                  closed.number, dp.epsilon, config.dp_delta, q, z, rule.unclipped, rule.count)
-        return {"epsilon": dp.epsilon, "delta": config.dp_delta, "sampling_rate": q, "noise_multiplier": z,
+        return {"epsilon": _json_epsilon(dp.epsilon), "delta": config.dp_delta, "sampling_rate": q,
+                "noise_multiplier": z,
                 "clip_norm": rule.clip_norm, "noise_std": rule.noise_std, "expected_participants": rule.expected_weight,
                 "unclipped": rule.unclipped, "stopped": dp.stopped}
 
     def _privacy_summary(self) -> dict[str, Any]:
         dp, config = self.dp, self.config
         assert dp is not None
-        return {"epsilon": dp.epsilon, "delta": config.dp_delta, "target_epsilon": config.dp_target_epsilon,
+        return {"epsilon": _json_epsilon(dp.epsilon), "delta": config.dp_delta,
+                "target_epsilon": config.dp_target_epsilon,
                 "noise_multiplier": config.dp_noise_multiplier, "clip_norm": config.clip_norm,
                 "rounds_accounted": dp.accountant.rounds, "budget_stopped": dp.stopped}
 

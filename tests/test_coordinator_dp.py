@@ -164,7 +164,8 @@ def test_each_update_moves_the_model_by_at_most_the_clip_norm_over_m(tmp_path: P
     np.testing.assert_allclose(released, expected, atol=1e-6)
     assert np.linalg.norm(released) <= (0.5 + 0.1) / 2 + 1e-6
     dp = records(tmp_path)[0]["dp"]
-    assert dp["unclipped"] == 1 and dp["epsilon"] == float("inf")  # no noise: no privacy, and it says so
+    assert dp["unclipped"] == 1 and dp["epsilon"] is None  # no noise: no privacy (unbounded epsilon, null)
+    assert c.dp_epsilon == float("inf")
 
 
 def test_epsilon_is_reported_each_round_and_grows_in_metrics_the_state_message_and_prometheus(tmp_path: Path) -> None:
