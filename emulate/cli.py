@@ -37,7 +37,12 @@ def run(
     momentum: float = typer.Option(0.0, help="SGD momentum (the paper: none)"),
     eval_finetune_epochs: int = typer.Option(1, help="FedBABU: fine-tuning epochs before each evaluation"),
     eval_finetune: str = typer.Option("all", help="FedBABU: what evaluation fine-tunes, all (their paper) | head"),
-    seed: int = typer.Option(0, help="Seed of the partition, the initial model and every batch order"),
+    seed: int = typer.Option(0, help="Seed of the partition, the initial model, every batch order and the "
+                                     "client selection"),
+    clients_per_round: int | None = typer.Option(
+        None, min=1, help="M clients train per round (default: every client), chosen by the coordinator's rule "
+                          "(fedper/selection.py; client j's id is \"j\", its --selection-seed is --seed); every "
+                          "client is still evaluated each round. No --over-select: emulated clients never drop out"),
     device: str = typer.Option("auto", help="auto (cuda when present, else cpu) | cpu | cuda | cuda:N"),
     engine: str = typer.Option("auto", help="auto (vmap on GPU, sequential on CPU) | sequential | vmap"),
     input_size: int | None = typer.Option(None, help="Image side in pixels (default: the data's; digits 32)"),
@@ -64,6 +69,8 @@ def run(
             raise ValueError(f"--scale must lie in (0, 1], got {scale}")
         if world_size < 1 or (launched and world_size > 1):
             raise ValueError("--world-size must be >= 1, and 1 under torchrun (which starts the processes itself)")
+        if clients_per_round is not None and (launched or world_size > 1):
+            raise ValueError("--clients-per-round runs in one process: drop --world-size (or torchrun) or it")
         if kp is None:
             kp = get_algorithm(algorithm).default_kp
         config = RunConfig(
@@ -76,6 +83,7 @@ def run(
                 model=model, width=width, algorithm=algorithm, kp=kp, local_epochs=local_epochs,
                 batch_size=batch_size or PAPER_BATCH.get(dataset, 128), lr=lr, momentum=momentum, seed=seed,
                 eval_finetune_epochs=eval_finetune_epochs, eval_finetune=eval_finetune, engine=engine,
+                clients_per_round=clients_per_round,
             ),
             rounds=max(1, round(rounds * scale)),
             device=device,
@@ -114,8 +122,9 @@ def figure(
     batch_size: int | None = typer.Option(None, help="Batch size (default 128; FLICKR-AES 4)"),
     lr: float | None = typer.Option(None, help="SGD learning rate (default 0.01)"),
     momentum: float | None = typer.Option(None, help="SGD momentum (default 0)"),
-    clients: int | None = typer.Option(None, help="Clients (default 10; FLICKR-AES 30)"),
+    clients: int | None = typer.Option(None, help="Clients (default 10; FLICKR-AES 30; babu 100)"),
     classes_per_client: int | None = typer.Option(None, help="k for the figures with one k (default 4)"),
+    shards: int | None = typer.Option(None, help="Shards per client of babu's shard split (default: FedBABU's 10)"),
     input_size: int | None = typer.Option(None, help="Image side in pixels (default: the data's)"),
     seed: int = typer.Option(0, help="Seed of every run"),
     model: list[str] | None = typer.Option(None, help="Only the curves of this model (repeatable)"),
@@ -129,7 +138,8 @@ def figure(
     from fedper.emulate.figures import make_figure
 
     fleet = {"width": width, "local_epochs": local_epochs, "batch_size": batch_size, "lr": lr, "momentum": momentum}
-    data_opts = {"clients": clients, "classes_per_client": classes_per_client, "input_size": input_size}
+    data_opts = {"clients": clients, "classes_per_client": classes_per_client, "shards": shards,
+                 "input_size": input_size}
     try:
         if not 0 < scale <= 1:
             raise ValueError(f"--scale must lie in (0, 1], got {scale}")

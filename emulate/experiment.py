@@ -74,6 +74,9 @@ def run_experiment(
     data = load_fleet_data(config.data, device)
     if distributed.world_size() > len(data.clients):
         raise RunError(f"{distributed.world_size()} processes for {len(data.clients)} clients: at most one per client")
+    if distributed.world_size() > 1 and config.fleet.clients_per_round is not None:
+        raise RunError("--clients-per-round runs in one process: a rank could hold no selected client, "
+                       "so drop --world-size (or torchrun) or --clients-per-round")
     members = distributed.share(len(data.clients), distributed.rank(), distributed.world_size())
     fleet = Fleet(config.fleet, data, algorithm, members=members)
     state = fleet.init() if saved is None else _to_device(saved, device)
@@ -193,6 +196,7 @@ def _summary(config: RunConfig, fleet: Fleet, history: list[dict]) -> dict:
         "device": str(fleet.device),
         "rounds": len(history),
         "clients": len(fleet.data.clients),
+        "clients_per_round": config.fleet.clients_per_round,
         "n_train": fleet.data.n_train,
         "final_mean_accuracy": last.get("mean_accuracy"),
         "final_std_accuracy": last.get("std_accuracy"),

@@ -28,6 +28,7 @@ class Curve:
     label: str
     data: DataConfig
     fleet: FleetConfig
+    fraction: float | None = None  # FedBABU's f: max(1, round(f * N)) clients train per round; None: all
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ def _specs(data: DataConfig, fleet: FleetConfig) -> dict[str, Spec]:
         )
 
     k = data.classes_per_client
-    cifar100 = replace(data, dataset="cifar100", partition="shards", shards=10, clients=max(data.clients, 20))
+    babu = ("fedavg", "fedper", "fedbabu", "fedrep", "lg-fedavg")
     return {
         "fig2": Spec("FedAvg vs FedPer (CIFAR-10)", "cifar10", vs(MODELS, (4, 8, 10), ("fedavg", "fedper"))),
         "fig3": Spec("Per-client accuracy spread", "cifar10", vs(MODELS[:1], (k,), ("fedavg", "fedper")), band=True),
@@ -68,12 +69,16 @@ def _specs(data: DataConfig, fleet: FleetConfig) -> dict[str, Spec]:
         "fig7-8": Spec("FLICKR-AES", "flickr-aes", vs(MODELS, (k,), ("fedavg", "fedper"))),
         "a3": Spec("Head fine-tuning (appendix A.3)", "cifar100", vs(MODELS, (k,), ("fedper", "fedper-ft")),
                    also_on=("flickr-aes",)),
-        "babu": Spec("FedBABU setting (CIFAR-100, shards)", "cifar100",
-                     vs(MODELS[:1], (k,), ("fedavg", "fedper", "fedbabu", "fedrep", "lg-fedavg"), kp=1, d=cifar100)),
+        "babu": Spec("FedBABU setting (CIFAR-100, shards, client fraction f)", "cifar100", tuple(
+            Curve(f"f = {f}", a, data, _alg(replace(fleet, model=MODELS[0]), a, 1), fraction=f)
+            for f in (0.1, 1.0) for a in babu
+        )),
     }
 
 
 FIGURES = ("fig2", "fig3", "fig4", "fig5-6", "fig7-8", "a3", "babu")
+# A figure's own data settings, under the command's overrides: FedBABU's 100 clients x 10 shards.
+DATA_DEFAULTS = {"babu": {"clients": 100, "partition": "shards", "shards": 10}}
 
 
 def make_figure(
@@ -93,7 +98,7 @@ def make_figure(
     """Run (or reuse) every curve of figure `name` (only those of `models` when given) and write OUT/NAME.png."""
     if name not in FIGURES:
         raise ValueError(f"unknown figure {name!r}; choose one of {', '.join(FIGURES)}")
-    base_data = DataConfig(scale=scale, **(data_overrides or {}))
+    base_data = DataConfig(scale=scale, **(DATA_DEFAULTS.get(name, {}) | (data_overrides or {})))
     base_fleet = FleetConfig(**(fleet_overrides or {}))
     spec = _specs(base_data, base_fleet)[name]
     if models:
@@ -116,12 +121,15 @@ def make_figure(
         if "batch_size" not in (fleet_overrides or {}):
             batch = PAPER_BATCH.get(chosen, batch)
         cdata = replace(curve.data, dataset=chosen, data=str(data) if data else None, clients=clients)
+        per_round = None if curve.fraction is None else max(1, round(curve.fraction * clients))
         config = RunConfig(
-            data=cdata, fleet=replace(curve.fleet, batch_size=batch), rounds=max(1, round(rounds * scale)),
-            device=device,
+            data=cdata, fleet=replace(curve.fleet, batch_size=batch, clients_per_round=per_round),
+            rounds=max(1, round(rounds * scale)), device=device,
         )
         f = curve.fleet
         run_dir = out / f"{i:02d}-{f.model}-{f.algorithm}-k{cdata.classes_per_client}-kp{f.kp}"
+        if curve.fraction is not None:
+            run_dir = run_dir.with_name(f"{run_dir.name}-f{curve.fraction}")
         if not _finished(run_dir, config):
             resume = _resumable(run_dir, config)
             if not resume and run_dir.exists():

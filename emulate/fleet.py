@@ -6,10 +6,13 @@ server state is the shared tensors and the round, and the round index seeds ever
 so a saved state resumes bit-for-bit. Nothing here branches on an algorithm's name: the manifest
 says which tensors are shared, the algorithm's phases say what is trained when.
 
-Per round (paper, Algorithms 1-2): each client loads the shared tensors and its own local ones,
-trains its phases, and sends its shared tensors with n_j (training samples); the server takes the
-n_j-weighted mean (fedper.aggregation.WeightedMean, as the coordinator does). Then every client
-is evaluated as it would serve: the NEW shared tensors + its own local ones, BatchNorm in eval
+Per round (paper, Algorithms 1-2): the round's clients are selected (all of them by default; with
+`clients_per_round` M, the M of fedper.selection's seeded ranking, the coordinator's rule, with
+the run's seed and client j's id str(j)); each selected client loads the shared tensors and its own
+local ones, trains its phases, and sends its shared tensors with n_j (training samples); the server
+takes the n_j-weighted mean over them (fedper.aggregation.WeightedMean, as the coordinator does).
+A client not selected keeps its local tensors as they were. Then every client, selected or not
+(FedBABU's Algorithm 2), is evaluated as it would serve: the NEW shared tensors + its own local ones, BatchNorm in eval
 mode, on its own test split (FedAvg: the global model). With `fine_tune_head_at_eval` (FedBABU,
 Algorithm 2 of Oh et al.) a copy is fine-tuned on the client's train data first and discarded.
 BatchNorm buffers are tensors like any other: shared ones averaged, local ones kept.
@@ -35,6 +38,7 @@ from fedper.emulate.train import PURPOSE_FINETUNE, PURPOSE_TRAIN, client_generat
 from fedper.emulate.variants import build
 from fedper.manifest import Manifest
 from fedper.models import describe, exported_state
+from fedper.selection import select
 from fedper.training import evaluate, load_tensors
 
 ENGINES = ("auto", "sequential", "vmap")
@@ -55,6 +59,7 @@ class FleetConfig:
     eval_finetune_epochs: int = 1
     eval_finetune: Trained = "all"  # what FedBABU-style evaluation fine-tunes: "all" (their paper) or "head"
     engine: str = "auto"
+    clients_per_round: int | None = None  # None: every client trains in every round
 
 
 @dataclass
@@ -101,6 +106,8 @@ class Fleet:
         self.initial = {k: v.detach().clone() for k, v in exported_state(self.model).items()}
         self.shared_names = self.manifest.names(shared=True)
         self.local_names = self.manifest.names(shared=False)
+        if config.clients_per_round is not None and config.clients_per_round < 1:
+            raise ValueError(f"clients per round must be >= 1, got {config.clients_per_round}")
         batched = config.engine == "vmap" or (config.engine == "auto" and self.device.type == "cuda")
         self.engine = "vmap" if batched else "sequential"
 
@@ -113,11 +120,23 @@ class Fleet:
             seed=self.config.seed,
         )
 
+    def selected(self, round_: int, seed: int) -> list[int]:
+        """The clients that train in round `round_` (1-based, as the coordinator counts), in client order:
+        fedper.selection.select over the ids "0".."N-1", seeded with the run's seed."""
+        everyone = range(len(self.data.clients))
+        if self.config.clients_per_round is None:
+            return list(everyone)
+        return sorted(int(j) for j in select(map(str, everyone), self.config.clients_per_round, seed=seed,
+                                             round_=round_))
+
     def run_round(self, state: FleetState) -> tuple[FleetState, dict]:
         start = time.perf_counter()
         aggregate = WeightedMean()
         local = list(state.local)
-        for j, (shared, own) in zip(self.members, self._train(state), strict=True):
+        selected = self.selected(state.round + 1, state.seed)
+        chosen = set(selected)
+        trainees = [j for j in self.members if j in chosen]
+        for j, (shared, own) in zip(trainees, self._train(state, trainees), strict=True):
             aggregate.add(as_float64(shared), self.data.n_train[j])  # WeightedMean sums in float64 anyway
             local[j] = own
         new = FleetState(round=state.round + 1, shared=combine(aggregate, state.shared), local=local, seed=state.seed)
@@ -125,6 +144,7 @@ class Fleet:
         accuracy = [a for a, _ in results]
         metrics = {
             "round": new.round,
+            "selected": selected,
             "accuracy": accuracy,
             "loss": [loss for _, loss in results],
             "mean_accuracy": statistics.fmean(accuracy),
@@ -138,11 +158,11 @@ class Fleet:
         c = self.config
         return {"local_epochs": c.local_epochs, "batch_size": c.batch_size, "lr": c.lr, "momentum": c.momentum}
 
-    def _train(self, state: FleetState) -> Iterator[tuple[Tensors, Tensors]]:
-        """Each client's (shared, local) tensors after its local training, in client order."""
+    def _train(self, state: FleetState, members: list[int]) -> Iterator[tuple[Tensors, Tensors]]:
+        """Each of `members`' (shared, local) tensors after its local training, in their order."""
         d, phases, seed = self.data, self.algorithm.phases, state.seed
         if self.engine == "sequential":
-            for j in self.members:
+            for j in members:
                 load_tensors(self.model, state.shared, state.local[j])
                 train_client(self.model, self.manifest, phases, d.x, d.y, d.clients[j][0],
                              generator=client_generator(seed, state.round, j, PURPOSE_TRAIN), **self._train_kwargs())
@@ -150,7 +170,6 @@ class Fleet:
                 yield ({n: trained[n].detach().clone() for n in self.shared_names},
                        {n: trained[n].detach().clone() for n in self.local_names})
             return
-        members = self.members
         stacked = {n: torch.stack([state.shared[n]] * len(members)) for n in self.shared_names}
         stacked |= {n: torch.stack([state.local[j][n] for j in members]) for n in self.local_names}
         generators = [client_generator(seed, state.round, j, PURPOSE_TRAIN) for j in members]

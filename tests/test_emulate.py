@@ -272,3 +272,103 @@ def test_figure_fig7_8_runs_on_a_flickr_aes_replica(tmp_path):
     configs = [json.loads(p.read_text()) for p in (tmp_path / "figs" / "fig7-8").glob("*/config.json")]
     # the paper's FLICKR-AES batch of 4 by default; the command's client count over the paper's 30
     assert [(c["fleet"]["batch_size"], c["data"]["clients"]) for c in configs] == [(4, 3), (4, 3)]
+
+
+def test_emulator_selects_the_coordinators_clients_and_evaluates_every_client(tmp_path):
+    """--clients-per-round M: each round's trainees are fedper.selection.select over the ids "0".."N-1"
+    with the run's seed and the 1-based round, as the coordinator's --selection-seed would pick them;
+    metrics.jsonl records them, and still holds every client's accuracy."""
+    from fedper.selection import select
+
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, [
+        "run", "--dataset", "digits", "--clients", "6", "--classes-per-client", "3", "--input-size", "8",
+        "--width", "0.25", "--local-epochs", "1", "--batch-size", "16", "--rounds", "4", "--seed", "3",
+        "--clients-per-round", "2", "--device", "cpu", "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["round"] for m in lines] == [1, 2, 3, 4]
+    for m in lines:
+        wanted = select([str(j) for j in range(6)], 2, seed=3, round_=m["round"])
+        assert m["selected"] == sorted(int(j) for j in wanted)
+        assert len(m["accuracy"]) == len(m["loss"]) == 6
+    assert len({tuple(m["selected"]) for m in lines}) > 1  # the ranking is drawn anew each round
+    assert RunConfig.from_json((out / "config.json").read_text()).fleet.clients_per_round == 2
+
+
+def test_clients_not_selected_keep_their_local_tensors_and_are_evaluated_with_the_new_aggregate():
+    data = synthetic([16, 24, 20, 12])
+    fleet = Fleet(FleetConfig(algorithm="fedper", kp=2, clients_per_round=2, **TINY), data)
+    state, _ = run_rounds(fleet, 1)  # heads differ between clients from here on
+    before = {j: {n: t.clone() for n, t in own.items()} for j, own in enumerate(state.local)}
+    new, metrics = fleet.run_round(state)
+    selected = metrics["selected"]
+    assert selected == fleet.selected(2, 0) and len(selected) == 2
+    for j in range(4):
+        changed = any(not torch.equal(new.local[j][n], before[j][n]) for n in fleet.local_names)
+        assert changed == (j in selected), j
+    assert len(metrics["accuracy"]) == 4
+    for j in set(range(4)) - set(selected):  # served: the new aggregate and its own, untrained head
+        _, test_idx = data.clients[j]
+        served = build_model("mobilenet_v1", 4, 0.25, 16)
+        served.load_state_dict({**new.shared, **before[j]}, strict=False)
+        served.eval()
+        with torch.no_grad():
+            predicted = served(data.x[test_idx]).argmax(1)
+        assert metrics["accuracy"][j] == pytest.approx(float((predicted == data.y[test_idx]).float().mean()))
+
+
+def test_only_the_selected_clients_enter_the_aggregate():
+    """A selected client's training data changes the aggregate; an unselected one's does not."""
+    data = synthetic([16, 16, 16, 16])
+    config = FleetConfig(algorithm="fedper", kp=2, clients_per_round=2, **TINY)
+    selected = Fleet(config, data).selected(1, 0)
+    results = {}
+    for flipped in (None, selected[0], next(j for j in range(4) if j not in selected)):
+        d = dataclasses.replace(data, y=data.y.clone())
+        if flipped is not None:
+            d.y[d.clients[flipped][0]] = (d.y[d.clients[flipped][0]] + 1) % 4
+        fleet = Fleet(config, d)
+        results[flipped] = fleet.run_round(fleet.init())[0].shared
+    unselected = next(j for j in range(4) if j not in selected)
+    assert all(torch.equal(results[None][n], results[unselected][n]) for n in results[None])
+    assert any(not torch.equal(results[None][n], results[selected[0]][n]) for n in results[None])
+
+
+def test_without_clients_per_round_every_client_trains_as_before():
+    """The default selects everyone, and equals M = N bit for bit (select returns all N, in client order)."""
+    data = synthetic([16, 12, 20])
+    (a, ma), (b, mb) = (run_rounds(Fleet(FleetConfig(algorithm="fedper", kp=2, clients_per_round=m, **TINY), data), 2)
+                        for m in (None, 3))
+    assert [m["selected"] for m in ma] == [[0, 1, 2]] * 2
+    assert all(torch.equal(a.shared[n], b.shared[n]) for n in a.shared)
+    assert [m["accuracy"] for m in ma] == [m["accuracy"] for m in mb]
+
+
+def test_clients_per_round_refuses_several_processes(tmp_path):
+    result = CliRunner().invoke(app, ["run", "--clients-per-round", "2", "--world-size", "2",
+                                      "--out", str(tmp_path / "x"), "--no-progress"])
+    assert result.exit_code == 2 and "--clients-per-round runs in one process" in result.output
+
+
+def test_figure_babu_is_fedbabus_setting_with_two_client_fractions(tmp_path):
+    """100 clients x 10 shards unless the command says otherwise, f = 0.1 and 1.0 for each algorithm;
+    here 5 clients x 2 shards, so f = 0.1 trains max(1, round(0.5)) = 1 client a round."""
+    from fedper.emulate.figures import DATA_DEFAULTS, _specs, make_figure
+
+    assert DATA_DEFAULTS["babu"] == {"clients": 100, "partition": "shards", "shards": 10}
+    babu = _specs(DataConfig(), FleetConfig())["babu"]
+    assert sorted((c.fraction, c.fleet.algorithm) for c in babu.curves) == sorted(
+        (f, a) for f in (0.1, 1.0) for a in ("fedavg", "fedper", "fedbabu", "fedrep", "lg-fedavg"))
+    png = make_figure("babu", out=tmp_path, dataset="digits", rounds=1, scale=0.5, show_progress=False,
+                      fleet_overrides={"width": 0.25, "local_epochs": 1, "batch_size": 16, "eval_finetune_epochs": 0},
+                      data_overrides={"clients": 5, "shards": 2, "input_size": 8})
+    assert png.stat().st_size > 1000
+    runs = sorted((tmp_path / "babu").iterdir())
+    configs = [RunConfig.from_json((r / "config.json").read_text()) for r in runs]
+    assert [(c.data.clients, c.data.partition, c.data.shards) for c in configs] == [(5, "shards", 2)] * 10
+    assert sorted(c.fleet.clients_per_round for c in configs) == [1] * 5 + [5] * 5
+    for r, c in zip(runs, configs, strict=True):
+        metrics = [json.loads(x) for x in (r / "metrics.jsonl").read_text().splitlines()]
+        assert [len(m["selected"]) for m in metrics] == [c.fleet.clients_per_round]
+        assert [len(m["accuracy"]) for m in metrics] == [5]
