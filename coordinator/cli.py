@@ -54,6 +54,10 @@ def run(
                             "this (default: no budget, epsilon only reported)."),
     dp_budget_action: str = typer.Option("stop", help="stop (finish the run with the last model released "
                                          "within budget) or warn (log and go on) at --dp-target-epsilon."),
+    dp_adaptive_clipping: float = typer.Option(
+        None, min=0.0, max=1.0, help="Adaptive clipping (Andrew et al. 2021): move the clip norm, starting at "
+                                     "--clip-norm, toward this quantile of the update norms (e.g. 0.5; default: "
+                                     "a fixed clip norm)."),
     max_samples_per_device: int = typer.Option(
         1_000_000, min=1, help="Largest n_samples a device may register (its weight in the mean); a registration "
                                "above is refused (too_many_samples)."),
@@ -104,7 +108,8 @@ def run(
                         max_reassembly_bytes=max_reassembly_bytes, max_messages_per_second=max_messages_per_second,
                         clients_per_round=clients_per_round, over_select=over_select, selection_seed=selection_seed,
                         dp_noise_multiplier=dp_noise_multiplier, dp_delta=dp_delta,
-                        dp_target_epsilon=dp_target_epsilon, dp_budget_action=dp_budget_action)
+                        dp_target_epsilon=dp_target_epsilon, dp_budget_action=dp_budget_action,
+                        dp_adaptive_quantile=dp_adaptive_clipping)
         coordinator = Coordinator(manifest, initial, Topics(fleet), config, Store(state_dir))
     except (ValueError, KeyError, OSError, ManifestError, WireError, CheckpointError) as e:
         typer.echo(f"fedper-coordinator: {e}", err=True)

@@ -40,7 +40,14 @@ from fedper.coordinator.quota import BURST_SECONDS, MessageRateLimit
 from fedper.coordinator.store import FINAL_FILE, CheckpointError, Store
 from fedper.manifest import Manifest
 from fedper.payload import decode_shared, encode_shared, max_blob_size
-from fedper.privacy import DPFedAvg, PrivacyAccountant, budget_action, private_tensor_names, round_generator
+from fedper.privacy import (
+    AdaptiveClipping,
+    DPFedAvg,
+    PrivacyAccountant,
+    budget_action,
+    private_tensor_names,
+    round_generator,
+)
 from fedper.selection import invitations, select
 from fedper.wire import (
     DEFAULT_CHUNK_SIZE,
@@ -96,6 +103,7 @@ class Config:
     dp_delta: float = DEFAULT_DP_DELTA
     dp_target_epsilon: float | None = None  # the budget: no round opens whose projected epsilon exceeds it
     dp_budget_action: str = "stop"  # at the budget: "stop" or "warn"
+    dp_adaptive_quantile: float | None = None  # adaptive clipping: the quantile of update norms C tracks
 
 
 @dataclass
@@ -107,6 +115,7 @@ class _Privacy:
     accountant: PrivacyAccountant
     epsilon: float = 0.0  # after the closed rounds (cached: the state message is sent often)
     stopped: bool = False
+    clipping: AdaptiveClipping | None = None  # with --dp-adaptive-clipping: the clip norm of the open round
 
 
 @dataclass(frozen=True)
@@ -248,6 +257,8 @@ class Coordinator:
             self.dp.accountant = PrivacyAccountant.from_json(saved["dp"]["accountant"])
             self.dp.stopped = saved["dp"]["stopped"]
             self.dp.epsilon = self.dp.accountant.epsilon()
+            if self.dp.clipping is not None:  # the clip norm the run has adapted to, not --clip-norm's start
+                self.dp.clipping = AdaptiveClipping.from_json(saved["dp"]["clipping"])
             self._aggregator = self._new_rule()
         if saved.get("partial"):
             self._files.partial = saved["partial"]
@@ -544,15 +555,15 @@ class Coordinator:
     def _close_round(self, now: float) -> list[Outgoing]:
         started = time.perf_counter()
         closed = self.round
-        if self.dp is not None:  # the fixed denominator: the devices a round expects to fold, not who came
-            self._aggregator.expected_weight = float(self._expected_participants())
+        if self.dp is not None:
+            self._ready_to_release()
         result = self._aggregator.result()
         self.model = {t.name: result[t.name].astype(t.dtype) for t in self.manifest.shared_tensors}
         aggregate_s = time.perf_counter() - started
         record = self._metrics(closed, now, aggregate_s)
         last = closed.number >= self.config.rounds
         if self.dp is not None:
-            record["dp"] = self._account(closed, last)
+            record["dp"] = self._account(closed, last)  # then adapts the clip norm for the next round
         self.finished = last or (self.dp is not None and self.dp.stopped)
         self.round = _Round(closed.number if self.finished else closed.number + 1)
         if self.selecting and not self.finished:
@@ -602,8 +613,8 @@ class Coordinator:
         """The run's DP state, a fresh secret (a resumed run replaces it with its own); None without DP."""
         z = config.dp_noise_multiplier
         if z is None:
-            if config.dp_target_epsilon is not None:
-                raise ValueError("--dp-target-epsilon needs --dp-noise-multiplier")
+            if config.dp_target_epsilon is not None or config.dp_adaptive_quantile is not None:
+                raise ValueError("--dp-target-epsilon and --dp-adaptive-clipping need --dp-noise-multiplier")
             return None
         if not (math.isfinite(z) and z >= 0):
             raise ValueError(f"--dp-noise-multiplier must be >= 0, got {z}")
@@ -614,12 +625,15 @@ class Coordinator:
                              f"{config.aggregator} cannot be combined with it")
         if config.dp_budget_action not in ("stop", "warn"):
             raise ValueError(f"--dp-budget-action must be stop or warn, got {config.dp_budget_action!r}")
+        clipping = None
+        if config.dp_adaptive_quantile is not None:
+            clipping = AdaptiveClipping(config.clip_norm, target_quantile=config.dp_adaptive_quantile)
         accountant = PrivacyAccountant(config.dp_delta)
         try:
             accountant.epsilon()  # imports dp-accounting now rather than at the first round's close
         except ImportError as e:
             raise ValueError(str(e)) from None
-        dp = _Privacy(secrets.randbits(128), accountant)
+        dp = _Privacy(secrets.randbits(128), accountant, clipping=clipping)
         if not config.clients_per_round and budget_action(accountant.projected_epsilon(1.0, z),
                                                           config.dp_target_epsilon, "stop") == "stop":
             raise ValueError(f"--dp-target-epsilon {config.dp_target_epsilon}: one round with every device at "
@@ -631,10 +645,24 @@ class Coordinator:
         """The open round's aggregation rule: DP-FedAvg with this round's noise under DP, else --aggregator."""
         if self.dp is None:
             return AGGREGATORS[self.config.aggregator]()
-        return DPFedAvg(self.model, clip_norm=float(self.config.clip_norm or 0), expected_weight=1.0,
+        clip_norm = self.dp.clipping.clip_norm if self.dp.clipping else self.config.clip_norm
+        return DPFedAvg(self.model, clip_norm=float(clip_norm or 0), expected_weight=1.0,
                         noise_multiplier=float(self.config.dp_noise_multiplier or 0),
                         rng=round_generator(self.dp.secret, self.round.number),
                         private_names=private_tensor_names(self.manifest))
+
+    def _ready_to_release(self) -> None:
+        """Set what the closing round's noise depends on and the open round could not know: the fixed
+        denominator m (the devices a round expects to fold, not who came) and, with adaptive clipping, the
+        split of z between the updates and the count of unclipped ones. The count's noise is the paper's
+        m/20, raised to z where m/20 would leave the updates little budget (small fleets): the updates'
+        multiplier then stays within 1.16 z."""
+        assert self.dp is not None
+        rule, m, z = self._aggregator, float(self._expected_participants()), self.config.dp_noise_multiplier or 0.0
+        rule.expected_weight = m
+        if self.dp.clipping is not None:
+            self.dp.clipping.count_noise_std = max(m / 20, z)
+            rule.noise_multiplier = self.dp.clipping.update_noise_multiplier(z)
 
     def _expected_participants(self) -> int:
         """DP-FedAvg's denominator m: the updates a round closes at (M with --clients-per-round, else every
@@ -668,19 +696,22 @@ class Coordinator:
                             f": run stopped, the final model is round {closed.number}'s" if action == "stop"
                             else ": going on (--dp-budget-action warn)")
                 dp.stopped = action == "stop"
-        log.info("round %d: DP epsilon %.4g at delta %g (q %.4g, z %g, %d of %d update(s) within --clip-norm)",
-                 closed.number, dp.epsilon, config.dp_delta, q, z, rule.unclipped, rule.count)
-        return {"epsilon": _json_epsilon(dp.epsilon), "delta": config.dp_delta, "sampling_rate": q,
-                "noise_multiplier": z,
-                "clip_norm": rule.clip_norm, "noise_std": rule.noise_std, "expected_participants": rule.expected_weight,
-                "unclipped": rule.unclipped, "stopped": dp.stopped}
+        log.info("round %d: DP epsilon %.4g at delta %g (q %.4g, z %g, %d of %d update(s) within clip norm %g)",
+                 closed.number, dp.epsilon, config.dp_delta, q, z, rule.unclipped, rule.count, rule.clip_norm)
+        figures = {"epsilon": _json_epsilon(dp.epsilon), "delta": config.dp_delta, "sampling_rate": q,
+                   "noise_multiplier": z, "clip_norm": rule.clip_norm, "noise_std": rule.noise_std,
+                   "expected_participants": rule.expected_weight, "unclipped": rule.unclipped, "stopped": dp.stopped}
+        if dp.clipping is not None:  # the count's noise comes from the round's generator, after the model's
+            figures["next_clip_norm"] = dp.clipping.step(rule.unclipped, rule.expected_weight, rule.rng)
+        return figures
 
     def _privacy_summary(self) -> dict[str, Any]:
         dp, config = self.dp, self.config
         assert dp is not None
         return {"epsilon": _json_epsilon(dp.epsilon), "delta": config.dp_delta,
                 "target_epsilon": config.dp_target_epsilon,
-                "noise_multiplier": config.dp_noise_multiplier, "clip_norm": config.clip_norm,
+                "noise_multiplier": config.dp_noise_multiplier,
+                "clip_norm": dp.clipping.clip_norm if dp.clipping else config.clip_norm,
                 "rounds_accounted": dp.accountant.rounds, "budget_stopped": dp.stopped}
 
     @property
@@ -714,6 +745,7 @@ class Coordinator:
             "base_digest": self.digest,
             **({"dp": {"secret": f"{self.dp.secret:x}", "accountant": self.dp.accountant.to_json(),
                        "stopped": self.dp.stopped,
+                       "clipping": self.dp.clipping.to_json() if self.dp.clipping else None,
                        "partial_meta": self._dp_partial_meta if self._files.partial else None}}
                if self.dp is not None else {}),
         })

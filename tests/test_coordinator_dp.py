@@ -241,7 +241,9 @@ def test_a_budget_that_one_round_exceeds_is_refused_at_start(tmp_path: Path) -> 
 @pytest.mark.parametrize(("config", "message"), [
     ({"clip_norm": None}, "needs --clip-norm"),
     ({"aggregator": "median"}, "cannot be combined"),
-    ({"dp_noise_multiplier": None, "dp_target_epsilon": 1.0}, "needs --dp-noise-multiplier"),
+    ({"dp_noise_multiplier": None, "dp_target_epsilon": 1.0}, "need --dp-noise-multiplier"),
+    ({"dp_noise_multiplier": None, "dp_adaptive_quantile": 0.5}, "need --dp-noise-multiplier"),
+    ({"dp_adaptive_quantile": 1.5}, "target_quantile"),
     ({"dp_budget_action": "ignore"}, "stop or warn"),
 ])
 def test_inconsistent_dp_settings_are_refused(tmp_path: Path, config: dict[str, Any], message: str) -> None:
@@ -258,30 +260,60 @@ def test_a_state_directory_is_resumed_only_in_its_own_mode(tmp_path: Path) -> No
         make(tmp_path / "plain")
 
 
-def test_a_restart_between_updates_releases_the_same_models_bit_for_bit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("adaptive", [None, 0.5])
+def test_a_restart_between_updates_releases_the_same_models_bit_for_bit(tmp_path: Path, adaptive: float | None) -> None:
     """Two copies of one state directory (one secret): one run unbroken, the other restarted after updates 3
-    and 9 (past the partial checkpoint of the float64 sums at 8) and between rounds."""
+    and 9 (past the partial checkpoint of the float64 sums at 8) and between rounds; with adaptive clipping
+    the clip norm it moved to is resumed too."""
     devices = [f"d{i:02d}" for i in range(PARTIAL_EVERY + 3)]
-    unbroken = make(tmp_path / "a", rounds=2)
+    settings = {"rounds": 3, "dp_adaptive_quantile": adaptive}
+    unbroken = make(tmp_path / "a", **settings)
     register(unbroken, devices)
     shutil.copytree(tmp_path / "a", tmp_path / "b")
-    restarted = make(tmp_path / "b", rounds=2)
+    restarted = make(tmp_path / "b", **settings)
     register(restarted, devices)
-    for _ in range(2):
+    for _ in range(3):
         for i, device in enumerate(devices):
-            update(unbroken, device, moved(unbroken, 0.1 + i, seed=i))
-            update(restarted, device, moved(restarted, 0.1 + i, seed=i))
+            update(unbroken, device, moved(unbroken, 0.1 + i / 10, seed=i))
+            update(restarted, device, moved(restarted, 0.1 + i / 10, seed=i))
             if i in (2, PARTIAL_EVERY):
-                restarted = make(tmp_path / "b", rounds=2)
+                restarted = make(tmp_path / "b", **settings)
         close(unbroken)
         close(restarted)
-        restarted = make(tmp_path / "b", rounds=2)
+        restarted = make(tmp_path / "b", **settings)
     assert unbroken.finished and restarted.finished
     a, b = load_file(str(tmp_path / "a" / FINAL_FILE)), load_file(str(tmp_path / "b" / FINAL_FILE))
     for name in a:
         assert a[name].tobytes() == b[name].tobytes(), name
     assert [r["dp"] for r in records(tmp_path / "a")] == [r["dp"] for r in records(tmp_path / "b")]
     assert not np.array_equal(a["conv.bias"], initial()["conv.bias"])
+    clip_norms = [r["dp"]["clip_norm"] for r in records(tmp_path / "a")]
+    assert (len(set(clip_norms)) == 3) == (adaptive is not None)
+
+
+@pytest.mark.parametrize(("delta", "direction"), [(0.01, "shrinks"), (50.0, "grows")])
+def test_adaptive_clipping_moves_the_clip_norm_toward_the_quantile_and_splits_the_noise(
+        tmp_path: Path, delta: float, direction: str) -> None:
+    """Updates all within C (b = 1 > 0.5) shrink it, all beyond it (b = 0) grow it, by exp(-0.2 (b - 0.5))
+    up to the count's noise; the model's noise is z_update * C / m with the paper's split of z."""
+    devices = [f"d{i:02d}" for i in range(40)]
+    c = make(tmp_path, rounds=2, clip_norm=1.0, dp_noise_multiplier=1.0, dp_adaptive_quantile=0.5)
+    register(c, devices)
+    for i, device in enumerate(devices):
+        update(c, device, moved(c, delta, seed=i))
+    close(c)
+    dp = records(tmp_path)[0]["dp"]
+    sigma_b = max(40 / 20, 1.0)
+    assert dp["clip_norm"] == 1.0
+    assert dp["noise_std"] == pytest.approx((1.0 - (2 * sigma_b) ** -2) ** -0.5 * 1.0 / 40)
+    b = 1.0 if direction == "shrinks" else 0.0  # the noisy fraction is b + N(0, (sigma_b / m)^2): 0.05 here
+    assert abs(np.log(dp["next_clip_norm"]) + 0.2 * (b - 0.5)) < 0.2 * 4 * sigma_b / 40
+    assert (dp["next_clip_norm"] < 1.0) == (direction == "shrinks")
+    assert state_message(c)["dp"]["clip_norm"] == dp["next_clip_norm"]
+    for i, device in enumerate(devices):
+        update(c, device, moved(c, delta, seed=i))
+    close(c)
+    assert records(tmp_path)[1]["dp"]["clip_norm"] == dp["next_clip_norm"]  # round 2 clipped with it
 
 
 # ---------------------------------------------------------------- live: real agents through Mosquitto
