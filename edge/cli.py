@@ -22,6 +22,11 @@ def run(
     batch_size: int = typer.Option(32, min=1, help="Local batch size (B)."),
     lr: float = typer.Option(0.01, min=0.0, help="SGD learning rate (eta)."),
     fine_tune_head: bool = typer.Option(False, help="Train the head alone for one epoch before the base + head."),
+    eval_finetune_epochs: int = typer.Option(
+        1, min=0, help="FedBABU: fine-tune a copy for this many epochs before each evaluation and serve it "
+        "(their Algorithm 2; fedper-emulate's default); the next round trains the untuned model. 0: serve the "
+        "frozen head."),
+    eval_finetune: str = typer.Option("all", help="FedBABU: what that fine-tune trains: all (their paper) or head."),
     backend: str = typer.Option("ort", help="Local training runtime: ort (onnxruntime-training) or torch."),
     seed: int = typer.Option(
         0,
@@ -62,6 +67,7 @@ def run(
     config = AgentConfig(
         artifacts=artifacts, data=data, broker=broker, fleet=fleet, client_id=client_id, state_dir=state_dir,
         local_epochs=local_epochs, batch_size=batch_size, lr=lr, fine_tune_head=fine_tune_head, backend=backend,
+        eval_finetune_epochs=eval_finetune_epochs, eval_finetune=eval_finetune,
         seed=seed, username=username, password=password, tls_ca=str(tls_ca) if tls_ca else None,
         mqtt_version=mqtt_version, chunk_size=chunk_size, compression=compression, only_when=tuple(only_when),
         recheck_s=recheck_seconds, reconnect_spread_s=reconnect_spread,

@@ -11,6 +11,9 @@ Per round k (RoundInfo `open` for a round this device has not answered):
 2. load the shared tensors by name (the head stays) and evaluate on the local test split: the
    model the device would serve now, i.e. the new aggregated base of round k-1 with the device's
    own head (for k = 1: the initial base). This is the accuracy reported with the round-k update.
+   FedBABU (its Algorithm 2) serves a fine-tuned copy: the loaded model is fine-tuned on the local
+   training data (--eval-finetune, --eval-finetune-epochs: the emulator's defaults and batch keys),
+   evaluated, and the untuned tensors are loaded back, so training starts from the frozen head.
    The emulator evaluates the same model (the aggregate after round k-1 with each head) at the end
    of round k-1: the agent reports it one round later, because it only sees that aggregate when
    round k opens;
@@ -60,12 +63,13 @@ from pathlib import Path
 
 import numpy as np
 
-from fedper.algorithms import Phase, get_algorithm
+from fedper import checkpoint
+from fedper.algorithms import Phase, check_trained, get_algorithm
 from fedper.compression import DELTA_CODECS
 from fedper.data import DataError, load_image_folder, load_npz, to_float_nchw
 from fedper.edge.backend import check_artifacts, open_backend
 from fedper.edge.eligibility import Conditions
-from fedper.edge.state import DeviceState, Saved, atomic_write
+from fedper.edge.state import DeviceState, Saved, StateError, atomic_write
 from fedper.manifest import Manifest
 from fedper.payload import decode_shared, encode_shared, max_blob_size
 from fedper.wire import (
@@ -85,6 +89,10 @@ from fedper.wire import (
 
 SOFTWARE = "fedper-agent/0.1.0"
 FINAL_FILE = "final.json"  # the served model's accuracy after the last round, for people and scripts
+SERVED_FILE = "served.safetensors"  # the model final.json measured: the final base, the head (FedBABU: fine-tuned)
+# The phase index of FedBABU's evaluation fine-tune in the batch key (client_seed, round, phase, epoch):
+# the emulator's PURPOSE_FINETUNE (fedper.emulate.train), far from any algorithm's phases.
+FINETUNE_PHASE = 1000
 COORDINATOR = "coordinator"  # the one source of model chunks
 MAX_NOTED_BLOBS = 64  # blob ids whose refusal was logged (one line per blob, not per chunk)
 
@@ -105,6 +113,8 @@ class AgentConfig:
     batch_size: int = 32
     lr: float = 0.01
     fine_tune_head: bool = False
+    eval_finetune_epochs: int = 1  # FedBABU: fine-tuning epochs before each evaluation (0: serve the frozen head)
+    eval_finetune: str = "all"  # FedBABU: what that fine-tune trains, "all" (their Algorithm 2) or "head"
     backend: str = "ort"
     seed: int = 0
     username: str | None = None
@@ -189,8 +199,13 @@ class Agent:
         self.conditions = conditions if conditions is not None else Conditions(tuple(config.only_when))
         self.manifest = check_artifacts(config.artifacts)
         self.phases = schedule(self.manifest, config.fine_tune_head)
+        fine_tunes = get_algorithm(self.manifest.algorithm).fine_tune_head_at_eval
+        self.serve_tuned = fine_tunes and config.eval_finetune_epochs > 0  # FedBABU serves a fine-tuned copy
+        if self.serve_tuned:
+            check_trained(config.eval_finetune)
         if config.backend == "ort":
-            missing = sorted({p.trained for p in self.phases} - set(self.manifest.artifact_sets))
+            needed = {p.trained for p in self.phases} | ({config.eval_finetune} if self.serve_tuned else set())
+            missing = sorted(needed - set(self.manifest.artifact_sets))
             if missing:
                 raise AgentError(
                     f"the algorithm's phases train {missing} but {config.artifacts} has no such artifact set "
@@ -476,19 +491,42 @@ class Agent:
         return [Outgoing(self.topics.update(c.client_id), frame) for frame in frames]
 
     def _finish(self, info: RoundInfo, model: Mapping[str, np.ndarray]) -> None:
+        """Evaluate the model the device serves from now on and save it (served.safetensors) with its
+        accuracy (final.json). The device state keeps the untuned head: a restart derives the same."""
         self.backend.load(model)
+        self._tune_for_serving(info.rounds + 1)  # the emulator's evaluation after round R keys it R + 1
         accuracy, loss = self.backend.evaluate(self.data.x_test, self.data.y_test)
         self.log(f"finished after {info.rounds} rounds: personalized accuracy {accuracy:.4f}")
         record = {"rounds": info.rounds, "accuracy": accuracy, "loss": loss}
+        served = self.state.dir / SERVED_FILE
+        try:
+            checkpoint.write_checkpoint(served, self.backend.read(self.manifest.names()), record)
+        except OSError as e:
+            raise StateError(f"cannot save {served}: {e.strerror or e}") from e
         atomic_write(self.state.dir / FINAL_FILE, json.dumps(record).encode())
         self.final_accuracy = accuracy
+
+    def _tune_for_serving(self, round_: int) -> dict[str, np.ndarray] | None:
+        """FedBABU: fine-tune the loaded model in place, as the device serves it (their Algorithm 2), with
+        the batch key the emulator gives client_seed = --seed in the same round; returns the untuned
+        tensors for the caller to load back. Other algorithms serve the model as it is: None."""
+        if not self.serve_tuned:
+            return None
+        c, d = self.config, self.data
+        untuned = self.backend.read(self.manifest.names())
+        self.backend.train(c.eval_finetune, d.x_train, d.y_train, epochs=c.eval_finetune_epochs,
+                           batch_size=c.batch_size, lr=c.lr, seed=(c.seed, round_, FINETUNE_PHASE))
+        return untuned
 
     # ------------------------------------------------------------ one round, no messages
 
     def train_round(self, round_: int) -> Saved:
         """Evaluate the served model, train every phase, save the state; the base is already loaded."""
         c, d = self.config, self.data
+        untuned = self._tune_for_serving(round_) if len(d.y_test) else None
         accuracy, test_loss = self.backend.evaluate(d.x_test, d.y_test)
+        if untuned is not None:
+            self.backend.load(untuned)  # training goes on from the untuned model, as the emulator's state does
         samples, seconds, losses = 0, 0.0, []
         for index, phase in enumerate(self.phases):
             stats = self.backend.train(

@@ -42,9 +42,10 @@ class Algorithm:
 
     @property
     def trained_kinds(self) -> frozenset[Trained]:
-        """What its phases train, and the head that FedBABU fine-tunes before evaluation."""
+        """What its phases train, and what FedBABU's evaluation may fine-tune: the whole network (their
+        Algorithm 2, the emulator's and the agent's default) or the head alone."""
         kinds = {phase.trained for phase in self.phases}
-        return frozenset(kinds | {"head"} if self.fine_tune_head_at_eval else kinds)
+        return frozenset(kinds | {"all", "head"} if self.fine_tune_head_at_eval else kinds)
 
 
 ALGORITHMS: dict[str, Algorithm] = {

@@ -544,3 +544,113 @@ def test_the_engine_needs_no_mqtt_client() -> None:
     code = "import sys, fedper.edge.engine; print(sorted(m for m in sys.modules if m.split('.')[0] == 'paho'))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.strip() == "[]"
+
+
+# ------------------------------------------------------------ FedBABU: a fine-tuned copy is evaluated and served
+
+
+@pytest.fixture
+def babu(tiny_export, device_data: Path, tmp_path: Path) -> Callable[..., Device]:
+    """babu(state="babu", **config) -> a FedBABU device (MobileNet-v1 x0.25, K_P=1, the head frozen at its init)."""
+    artifacts = tiny_export(algorithm="fedbabu", kp=1)
+
+    def make(state: str = "babu", **config: object) -> Device:
+        return Device(AgentConfig(artifacts=artifacts, data=device_data, broker="mqtt://127.0.0.1:1", fleet=FLEET,
+                                  client_id=DEVICE, state_dir=tmp_path / state, batch_size=8, lr=0.05, seed=3,
+                                  backend="ort", **config))
+
+    return make
+
+
+def by_hand(device: Device, model: dict[str, np.ndarray], trained: str | None = None, seed: tuple[int, ...] = ()):
+    """A fresh ORT backend of the same export holding `model` (+ the export's head), with `trained`
+    trained one epoch on the device's own data with the batch key `seed`."""
+    from fedper.edge.backend import open_backend
+
+    agent = device.agent
+    backend = open_backend("ort", agent.config.artifacts, agent.manifest)
+    backend.load(model)
+    if trained is not None:
+        backend.train(trained, agent.data.x_train, agent.data.y_train, epochs=1, batch_size=8, lr=0.05, seed=seed)
+    return backend
+
+
+def test_a_fedbabu_device_reports_a_fine_tuned_copy_and_trains_the_untuned_model(babu) -> None:
+    device = babu()
+    agent = device.agent
+    initial = device.tensors()
+    shared, head = agent.manifest.names(shared=True), agent.manifest.names(shared=False)
+    model = {n: initial[n] for n in shared}
+    _, meta, update = sent_update(device.open_round(1, model))
+
+    tuned = by_hand(device, model, "all", (3, 1, 1000))  # (--seed, round, the emulator's fine-tune phase)
+    accuracy, loss = tuned.evaluate(agent.data.x_test, agent.data.y_test)
+    assert (meta["metrics"]["accuracy"], meta["metrics"]["loss"]) == pytest.approx((accuracy, loss), abs=1e-6)
+    frozen = babu("frozen", eval_finetune_epochs=0)
+    _, frozen_meta, frozen_update = sent_update(frozen.open_round(1, model))
+    untuned = by_hand(device, model).evaluate(agent.data.x_test, agent.data.y_test)
+    assert frozen_meta["metrics"]["loss"] == pytest.approx(untuned[1])
+    assert abs(frozen_meta["metrics"]["loss"] - loss) > 1e-4  # the random head's evaluation is not what is reported
+
+    # the training state is the untuned model's: the head is still its frozen init, the update is the
+    # base trained from the untuned model (the same as the device that never fine-tunes sends)
+    saved = agent.state.load(agent.manifest)
+    assert all(np.array_equal(saved.local[n], initial[n]) for n in head)
+    assert all(np.array_equal(device.tensors()[n], initial[n]) for n in head)
+    trained = by_hand(device, model, "base", (3, 1, 0)).read(shared)
+    assert all(np.allclose(update[n], trained[n], rtol=1e-6, atol=1e-7) for n in shared)
+    assert all(np.array_equal(update[n], frozen_update[n]) for n in shared)
+
+
+def test_a_finished_fedbabu_device_saves_the_fine_tuned_model_that_final_json_measured(babu, tmp_path) -> None:
+    from fedper.checkpoint import read_checkpoint
+    from fedper.edge.engine import SERVED_FILE
+
+    device = babu()
+    agent = device.agent
+    initial = device.tensors()
+    model = {n: initial[n] for n in agent.manifest.names(shared=True)}
+    assert device.open_round(2, model, rounds=2, state="finished", blob_id="final") == []
+    record = json.loads((tmp_path / "babu" / FINAL_FILE).read_text())
+    served, meta = read_checkpoint(tmp_path / "babu" / SERVED_FILE)
+    assert meta == record and set(served) == set(agent.manifest.names())
+    expected = by_hand(device, model, "all", (3, 3, 1000)).read(agent.manifest.names())  # the round after R = 2
+    assert all(np.array_equal(served[n], expected[n]) for n in served)
+    assert not all(np.array_equal(served[n], initial[n]) for n in agent.manifest.names(shared=False))
+    # what the device serves, evaluated afresh, is what final.json says
+    accuracy, loss = by_hand(device, served).evaluate(agent.data.x_test, agent.data.y_test)
+    assert (record["accuracy"], record["loss"]) == pytest.approx((accuracy, loss), abs=1e-6)
+    assert agent.state.load(agent.manifest) is None  # no round trained: nothing of the fine-tune was kept
+
+
+def test_the_agents_fine_tuned_evaluation_is_the_emulators(babu) -> None:
+    """The emulator's FedBABU evaluation (fedper.emulate.fleet.Fleet._evaluate: a copy trained by
+    train_client on the client's batch key with PURPOSE_FINETUNE, then evaluated) of the same tensors
+    and data, for emulated client j whose client_seed is the agent's --seed, equals what the agent reports."""
+    import torch
+
+    from fedper.algorithms import Phase
+    from fedper.edge.engine import FINETUNE_PHASE
+    from fedper.emulate.train import PURPOSE_FINETUNE, train_client
+    from fedper.models import build_model
+    from fedper.training import evaluate, load_tensors
+
+    assert FINETUNE_PHASE == PURPOSE_FINETUNE
+    device = babu()
+    agent = device.agent
+    initial = device.tensors()
+    _, meta, _ = sent_update(device.open_round(1, {n: initial[n] for n in agent.manifest.names(shared=True)}))
+
+    m = agent.manifest.model
+    net = build_model(m.architecture, m.num_classes, m.width, m.input_shape[1])
+    load_tensors(net, {n: torch.from_numpy(x) for n, x in initial.items()})
+    d = agent.data
+    x, y = torch.from_numpy(np.concatenate([d.x_train, d.x_test])), torch.from_numpy(np.concatenate([d.y_train,
+                                                                                                     d.y_test]))
+    train_idx, test_idx = torch.arange(len(d.y_train)), torch.arange(len(d.y_train), len(y))
+    # the emulator's key after round 0: client_generator(seed, 0, j, PURPOSE_FINETUNE) = (client_seed, 1, 1000)
+    train_client(net, agent.manifest, (Phase("all", 1),), x, y, train_idx, local_epochs=1, batch_size=8, lr=0.05,
+                 momentum=0.0, generator=(3, 1, PURPOSE_FINETUNE))
+    accuracy, loss = evaluate(net, x, y, test_idx)
+    assert meta["metrics"]["accuracy"] == accuracy
+    assert meta["metrics"]["loss"] == pytest.approx(loss, rel=1e-4)
