@@ -251,6 +251,25 @@ def test_inconsistent_dp_settings_are_refused(tmp_path: Path, config: dict[str, 
         make(tmp_path, **config)
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["--dp-noise-multiplier", "1"], "needs --clip-norm"),
+    (["--dp-noise-multiplier", "1", "--clip-norm", "1", "--dp-budget-action", "maybe"], "stop or warn"),
+    (["--dp-noise-multiplier", "1", "--clip-norm", "1", "--dp-target-epsilon", "0.001"], "already spends more"),
+])
+def test_the_cli_refuses_inconsistent_dp_flags_in_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    from typer.testing import CliRunner
+
+    from fedper.coordinator.cli import app
+
+    artifacts = tmp_path / "export"
+    artifacts.mkdir()
+    MANIFEST.save(artifacts)
+    (artifacts / "base.safetensors").write_bytes(safetensors(initial()))
+    result = CliRunner().invoke(app, ["--artifacts", str(artifacts), "--fleet", FLEET, "--rounds", "1",
+                                      "--state-dir", str(tmp_path / "s"), "--broker", "mqtt://x", *args])
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
 def test_a_state_directory_is_resumed_only_in_its_own_mode(tmp_path: Path) -> None:
     make(tmp_path / "dp")
     with pytest.raises(ValueError, match="with differential privacy"):
