@@ -27,9 +27,10 @@ import pytest
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
+from fedper.checkpoint import read_checkpoint
 from fedper.data import load_digits
 from fedper.edge.eligibility import Conditions
-from fedper.edge.engine import FINAL_FILE, Agent, AgentConfig, AgentError
+from fedper.edge.engine import FINAL_FILE, SERVED_FILE, Agent, AgentConfig, AgentError
 from fedper.wire import Outgoing
 
 FLEET, DEVICE = "lab", "dev0"
@@ -266,6 +267,8 @@ def test_the_finished_run_writes_the_final_models_accuracy(make_device, models, 
     now = device.tensors()
     assert all(np.array_equal(now[n], x) for n, x in models(3).items())  # the final base, served with
     assert all(np.array_equal(now[n], x) for n, x in head.items())  # the device's own head
+    served, meta = read_checkpoint(tmp_path / "state" / SERVED_FILE)  # saved as served, with what it measured
+    assert meta == record and set(served) == set(now) and all(np.array_equal(served[n], now[n]) for n in now)
 
 
 # ------------------------------------------------------------ forged or corrupt input (issue: untrusted peers)
@@ -555,9 +558,10 @@ def babu(tiny_export, device_data: Path, tmp_path: Path) -> Callable[..., Device
     artifacts = tiny_export(algorithm="fedbabu", kp=1)
 
     def make(state: str = "babu", **config: object) -> Device:
+        options = {"backend": "ort", **config}
         return Device(AgentConfig(artifacts=artifacts, data=device_data, broker="mqtt://127.0.0.1:1", fleet=FLEET,
                                   client_id=DEVICE, state_dir=tmp_path / state, batch_size=8, lr=0.05, seed=3,
-                                  backend="ort", **config))
+                                  **options))
 
     return make
 
@@ -603,9 +607,6 @@ def test_a_fedbabu_device_reports_a_fine_tuned_copy_and_trains_the_untuned_model
 
 
 def test_a_finished_fedbabu_device_saves_the_fine_tuned_model_that_final_json_measured(babu, tmp_path) -> None:
-    from fedper.checkpoint import read_checkpoint
-    from fedper.edge.engine import SERVED_FILE
-
     device = babu()
     agent = device.agent
     initial = device.tensors()
@@ -623,7 +624,8 @@ def test_a_finished_fedbabu_device_saves_the_fine_tuned_model_that_final_json_me
     assert agent.state.load(agent.manifest) is None  # no round trained: nothing of the fine-tune was kept
 
 
-def test_the_agents_fine_tuned_evaluation_is_the_emulators(babu) -> None:
+@pytest.mark.parametrize("backend", ["ort", "torch"])
+def test_the_agents_fine_tuned_evaluation_is_the_emulators(babu, backend: str) -> None:
     """The emulator's FedBABU evaluation (fedper.emulate.fleet.Fleet._evaluate: a copy trained by
     train_client on the client's batch key with PURPOSE_FINETUNE, then evaluated) of the same tensors
     and data, for emulated client j whose client_seed is the agent's --seed, equals what the agent reports."""
@@ -636,7 +638,7 @@ def test_the_agents_fine_tuned_evaluation_is_the_emulators(babu) -> None:
     from fedper.training import evaluate, load_tensors
 
     assert FINETUNE_PHASE == PURPOSE_FINETUNE
-    device = babu()
+    device = babu(backend=backend)
     agent = device.agent
     initial = device.tensors()
     _, meta, _ = sent_update(device.open_round(1, {n: initial[n] for n in agent.manifest.names(shared=True)}))
