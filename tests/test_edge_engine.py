@@ -558,10 +558,9 @@ def babu(tiny_export, device_data: Path, tmp_path: Path) -> Callable[..., Device
     artifacts = tiny_export(algorithm="fedbabu", kp=1)
 
     def make(state: str = "babu", **config: object) -> Device:
-        options = {"backend": "ort", **config}
+        options = {"backend": "ort", "seed": 3, **config}
         return Device(AgentConfig(artifacts=artifacts, data=device_data, broker="mqtt://127.0.0.1:1", fleet=FLEET,
-                                  client_id=DEVICE, state_dir=tmp_path / state, batch_size=8, lr=0.05, seed=3,
-                                  **options))
+                                  client_id=DEVICE, state_dir=tmp_path / state, batch_size=8, lr=0.05, **options))
 
     return make
 
@@ -632,16 +631,19 @@ def test_the_agents_fine_tuned_evaluation_is_the_emulators(babu, backend: str) -
     import torch
 
     from fedper.algorithms import Phase
+    from fedper.batches import client_seed
     from fedper.edge.engine import FINETUNE_PHASE
-    from fedper.emulate.train import PURPOSE_FINETUNE, train_client
+    from fedper.emulate.train import PURPOSE_FINETUNE, client_generator, train_client
     from fedper.models import build_model
     from fedper.training import evaluate, load_tensors
 
     assert FINETUNE_PHASE == PURPOSE_FINETUNE
-    device = babu(backend=backend)
+    run_seed, j = 7, 1
+    device = babu(backend=backend, seed=client_seed(run_seed, j))
     agent = device.agent
     initial = device.tensors()
-    _, meta, _ = sent_update(device.open_round(1, {n: initial[n] for n in agent.manifest.names(shared=True)}))
+    # round 2 opens with the aggregate of round 1, which the emulator evaluates at the end of round 1
+    _, meta, _ = sent_update(device.open_round(2, {n: initial[n] for n in agent.manifest.names(shared=True)}))
 
     m = agent.manifest.model
     net = build_model(m.architecture, m.num_classes, m.width, m.input_shape[1])
@@ -650,9 +652,9 @@ def test_the_agents_fine_tuned_evaluation_is_the_emulators(babu, backend: str) -
     x, y = torch.from_numpy(np.concatenate([d.x_train, d.x_test])), torch.from_numpy(np.concatenate([d.y_train,
                                                                                                      d.y_test]))
     train_idx, test_idx = torch.arange(len(d.y_train)), torch.arange(len(d.y_train), len(y))
-    # the emulator's key after round 0: client_generator(seed, 0, j, PURPOSE_FINETUNE) = (client_seed, 1, 1000)
+    # what Fleet._evaluate does for client j at the end of round 1 (its new state's round is 1)
     train_client(net, agent.manifest, (Phase("all", 1),), x, y, train_idx, local_epochs=1, batch_size=8, lr=0.05,
-                 momentum=0.0, generator=(3, 1, PURPOSE_FINETUNE))
+                 momentum=0.0, generator=client_generator(run_seed, 1, j, PURPOSE_FINETUNE))
     accuracy, loss = evaluate(net, x, y, test_idx)
     assert meta["metrics"]["accuracy"] == accuracy
     assert meta["metrics"]["loss"] == pytest.approx(loss, rel=1e-4)
