@@ -65,6 +65,7 @@ import numpy as np
 
 from fedper import checkpoint
 from fedper.algorithms import Phase, check_trained, get_algorithm
+from fedper.batches import PURPOSE_FINETUNE
 from fedper.compression import DELTA_CODECS
 from fedper.data import DataError, load_image_folder, load_npz, to_float_nchw
 from fedper.edge.backend import check_artifacts, open_backend
@@ -90,9 +91,6 @@ from fedper.wire import (
 SOFTWARE = "fedper-agent/0.1.0"
 FINAL_FILE = "final.json"  # the served model's accuracy after the last round, for people and scripts
 SERVED_FILE = "served.safetensors"  # the model final.json measured: the final base, the head (FedBABU: fine-tuned)
-# The phase index of FedBABU's evaluation fine-tune in the batch key (client_seed, round, phase, epoch):
-# the emulator's PURPOSE_FINETUNE (fedper.emulate.train), far from any algorithm's phases.
-FINETUNE_PHASE = 1000
 COORDINATOR = "coordinator"  # the one source of model chunks
 MAX_NOTED_BLOBS = 64  # blob ids whose refusal was logged (one line per blob, not per chunk)
 
@@ -515,7 +513,7 @@ class Agent:
         c, d = self.config, self.data
         untuned = self.backend.read(self.manifest.names())
         self.backend.train(c.eval_finetune, d.x_train, d.y_train, epochs=c.eval_finetune_epochs,
-                           batch_size=c.batch_size, lr=c.lr, seed=(c.seed, round_, FINETUNE_PHASE))
+                           batch_size=c.batch_size, lr=c.lr, seed=(c.seed, round_, PURPOSE_FINETUNE))
         return untuned
 
     # ------------------------------------------------------------ one round, no messages

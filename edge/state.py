@@ -7,6 +7,8 @@
                         round: the device-local tensors (its head and their BatchNorm statistics)
                         and its last update (the shared ones), with round, base_digest, n_samples,
                         metrics and the names of the local tensors in its JSON metadata
+    final.json          after the last round: the accuracy and loss of the model the device serves
+    served.safetensors  that model: the final base and the device's head (FedBABU: fine-tuned)
 
 Every file is replaced atomically by fedper.checkpoint: a kill or a full disk at any point leaves
 the previous version whole. A device.safetensors written before the checkpoint format (its fields

@@ -31,10 +31,11 @@ import torch
 from fedper import checkpoint
 from fedper.aggregation import WeightedMean
 from fedper.algorithms import ALGORITHMS, Algorithm, Phase, Trained, check_kp, get_algorithm
+from fedper.batches import PURPOSE_FINETUNE, PURPOSE_TRAIN
 from fedper.emulate.batched import train_clients_batched
 from fedper.emulate.data import FleetData
 from fedper.emulate.distributed import as_float64, combine, gather
-from fedper.emulate.train import PURPOSE_FINETUNE, PURPOSE_TRAIN, client_generator, train_client
+from fedper.emulate.train import client_generator, train_client
 from fedper.emulate.variants import build
 from fedper.manifest import Manifest
 from fedper.models import describe, exported_state

@@ -19,9 +19,6 @@ from fedper.batches import client_seed, epoch_batches
 from fedper.manifest import Manifest
 from fedper.training import ort_batchnorm, phase_optimizer, sgd_step
 
-# The phase index a purpose's first phase draws its batches with: training phases count from 0,
-# FedBABU's evaluation fine-tune from 1000, far from any algorithm's phases, so its draws differ.
-PURPOSE_TRAIN, PURPOSE_FINETUNE = 0, 1000
 BatchKey = tuple[int, int, int]  # (client_seed, round, first phase index)
 
 

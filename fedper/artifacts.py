@@ -25,7 +25,8 @@ MAX_IR_VERSION = 10  # onnxruntime 1.19 refuses models of a newer ONNX IR versio
 def artifact_sets_for(algorithm: str, kp: int) -> dict[str, str]:
     """{"all": "train/all", ...}: one ORT training set per kind of phase the algorithm runs.
 
-    FedBABU also fine-tunes the head before evaluation, so it needs a head-only set too.
+    FedBABU also fine-tunes a copy before evaluation (all of it by default, or its head), so it needs
+    the `all` and the head-only sets too.
     """
     trained = set(get_algorithm(algorithm).trained_kinds)
     if kp == 0:

@@ -16,6 +16,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+# The phase index a purpose's first phase draws its batches with: training phases count from 0,
+# FedBABU's evaluation fine-tune (agent and emulator alike) from 1000, far from any algorithm's
+# phases, so its draws differ.
+PURPOSE_TRAIN, PURPOSE_FINETUNE = 0, 1000
+
 
 def client_seed(run_seed: int, client: int) -> int:
     """Client `client`'s seed in a run seeded with `run_seed`: an independent stream per client."""

@@ -631,13 +631,11 @@ def test_the_agents_fine_tuned_evaluation_is_the_emulators(babu, backend: str) -
     import torch
 
     from fedper.algorithms import Phase
-    from fedper.batches import client_seed
-    from fedper.edge.engine import FINETUNE_PHASE
-    from fedper.emulate.train import PURPOSE_FINETUNE, client_generator, train_client
+    from fedper.batches import PURPOSE_FINETUNE, client_seed
+    from fedper.emulate.train import client_generator, train_client
     from fedper.models import build_model
     from fedper.training import evaluate, load_tensors
 
-    assert FINETUNE_PHASE == PURPOSE_FINETUNE
     run_seed, j = 7, 1
     device = babu(backend=backend, seed=client_seed(run_seed, j))
     agent = device.agent

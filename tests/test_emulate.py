@@ -11,11 +11,12 @@ import torch
 from typer.testing import CliRunner
 
 from fedper.algorithms import ALGORITHMS
+from fedper.batches import PURPOSE_TRAIN
 from fedper.emulate.cli import app
 from fedper.emulate.data import DataConfig, FleetData
 from fedper.emulate.experiment import STATE, RunConfig, run_experiment
 from fedper.emulate.fleet import Fleet, FleetConfig, load_state
-from fedper.emulate.train import PURPOSE_TRAIN, client_generator, train_client
+from fedper.emulate.train import client_generator, train_client
 from fedper.models import build_model
 from fedper.training import load_tensors
 

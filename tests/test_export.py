@@ -132,7 +132,7 @@ def test_manifest_split_and_sets(mobilenet):
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 def test_artifact_sets_follow_the_phases(algorithm):
     kp = 0 if ALGORITHMS[algorithm].requires_kp0 else 2
-    expected = {"fedavg": ["all"], "fedper": ["all"], "fedper-ft": ["all", "head"], "fedbabu": ["head", "base"],
+    expected = {"fedavg": ["all"], "fedper": ["all"], "fedper-ft": ["all", "head"], "fedbabu": ["all", "head", "base"],
                 "fedrep": ["head", "base"], "lg-fedavg": ["all"]}[algorithm]
     assert list(artifact_sets_for(algorithm, kp)) == expected
 

@@ -23,7 +23,7 @@ def test_export_then_verify(tmp_path):
                  "--classes", "cat,dog,bird", "--out", str(out))
     assert result.exit_code == 0, result.output
     assert Manifest.load(out).model.kp == 1  # FedBABU's head is the classifier: its paper's K_P by default
-    assert sorted(p.name for p in (out / "train").iterdir()) == ["base", "head"]
+    assert sorted(p.name for p in (out / "train").iterdir()) == ["all", "base", "head"]
     checked = run("verify", str(out))
     assert checked.exit_code == 0 and checked.output.startswith("OK"), checked.output
     assert "fedbabu" in checked.output
