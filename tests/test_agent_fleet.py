@@ -16,13 +16,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.processes import run_fleet
 from safetensors.numpy import load_file
 
 from fedper.aggregation import WeightedMean
 from fedper.data import load_digits
 from fedper.edge.backend import check_artifacts, open_backend
 from fedper.edge.engine import Agent, AgentConfig, load_local_data
-from fedper.edge.service import run_agent
 from fedper.edge.state import DeviceState
 from fedper.payload import decode_shared, encode_shared
 
@@ -86,23 +86,6 @@ def agent_config(artifacts: Path, data: Path, broker_url: str, fleet: str, j: in
                        compression=compression)
 
 
-def run_fleet(coordinator: subprocess.Popen, agents: list[Agent], logs: list[str]) -> None:
-    """Run the agents in threads until the coordinator has finished its rounds."""
-    stop = threading.Event()
-    threads = [threading.Thread(target=run_agent, args=(agent, stop), daemon=True) for agent in agents]
-    for t in threads:
-        t.start()
-    try:
-        _, err = coordinator.communicate(timeout=90)
-        assert coordinator.returncode == 0, err
-        for t in threads:
-            t.join(30)
-        assert not any(t.is_alive() for t in threads), "\n".join(logs)
-    finally:
-        stop.set()
-        coordinator.kill()
-
-
 @pytest.mark.parametrize("compression", ["fp32", "int8-delta", "int8-delta-pc"])
 def test_two_agents_two_rounds_match_an_independent_computation(tmp_path: Path, artifacts: Path, mosquitto,
                                                                 compression: str) -> None:
@@ -115,7 +98,7 @@ def test_two_agents_two_rounds_match_an_independent_computation(tmp_path: Path, 
     logs: list[str] = []
     agents = [Agent(agent_config(artifacts, path, mosquitto.url, "parity", j, tmp_path, compression), log=logs.append)
               for j, path in enumerate(data)]
-    run_fleet(coordinator, agents, logs)
+    run_fleet(coordinator, agents, 90, "\n".join(logs))
 
     final = load_file(str(coordinator_dir / "final.safetensors"))
     expected = reference_base(artifacts, data, tmp_path, compression)
@@ -142,7 +125,7 @@ def test_an_agent_killed_after_saving_rejoins_and_resends(tmp_path: Path, artifa
     coordinator = start_coordinator(artifacts, mosquitto.url, coordinator_dir, "restart")
     logs: list[str] = []
     agents = [Agent(config, log=logs.append) for config in configs]
-    run_fleet(coordinator, agents, logs)
+    run_fleet(coordinator, agents, 90, "\n".join(logs))
     assert any("restored the head of round 1" in line for line in logs)
     assert any("round 1: already trained (before a restart" in line for line in logs)
     rounds = [json.loads(line) for line in (coordinator_dir / "metrics.jsonl").read_text().splitlines()]
@@ -168,7 +151,7 @@ def test_agents_ride_out_a_broker_restart(tmp_path: Path, artifacts: Path, mosqu
 
     restarter = threading.Thread(target=restart_after_first_update, daemon=True)
     restarter.start()
-    run_fleet(coordinator, agents, logs)
+    run_fleet(coordinator, agents, 90, "\n".join(logs))
     restarter.join(5)
     assert any("lost the broker" in line for line in logs)
     rounds = [json.loads(line) for line in (coordinator_dir / "metrics.jsonl").read_text().splitlines()]
@@ -267,7 +250,7 @@ def parity_gaps(tmp_path: Path, broker_url: str, *, lr: float, batch_size: int, 
                                 client_id=f"dev{j}", state_dir=tmp_path / f"state{j}", batch_size=batch_size,
                                 lr=lr, seed=client_seed(PARITY_SEED, j), backend="ort"), log=logs.append)
               for j, path in enumerate(paths)]
-    run_fleet(coordinator, agents, logs)
+    run_fleet(coordinator, agents, 90, "\n".join(logs))
 
     state = fleet.init()
     for _ in range(ROUNDS):

@@ -8,15 +8,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.processes import run_fleet
 
 from fedper.data import load_digits
 from fedper.edge.engine import Agent, AgentConfig
-from fedper.edge.service import run_agent
 
 pytestmark = pytest.mark.mosquitto
 ROUNDS = 3
@@ -49,19 +48,7 @@ def test_only_invited_eligible_devices_train_and_the_rest_stay_quiet(tmp_path: P
                                         fleet="sel", client_id=name, state_dir=tmp_path / name, batch_size=8,
                                         lr=0.05, only_when=only_when, reconnect_spread_s=1.0),
                             log=logs[name].append))
-    stop = threading.Event()
-    threads = [threading.Thread(target=run_agent, args=(agent, stop), daemon=True) for agent in agents]
-    for thread in threads:
-        thread.start()
-    try:
-        _, err = coordinator.communicate(timeout=120)
-        assert coordinator.returncode == 0, err
-        for thread in threads:
-            thread.join(30)
-        assert not any(thread.is_alive() for thread in threads), logs
-    finally:
-        stop.set()
-        coordinator.kill()
+    run_fleet(coordinator, agents, 120, logs)
 
     rounds = [json.loads(line) for line in (state / "metrics.jsonl").read_text().splitlines()]
     assert [r["participants"] for r in rounds] == [1] * ROUNDS and all(r["invited"] == 1 for r in rounds)

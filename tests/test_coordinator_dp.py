@@ -14,13 +14,13 @@ import shutil
 import struct
 import subprocess
 import sys
-import threading
 import zlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from helpers.processes import run_fleet
 from safetensors.numpy import load_file
 
 from fedper.coordinator.engine import PARTIAL_EVERY, Config, Coordinator
@@ -343,7 +343,6 @@ def test_real_agents_train_under_dp_and_epsilon_is_reported_each_round(tmp_path:
                                                                       mosquitto) -> None:
     from fedper.data import load_digits
     from fedper.edge.engine import Agent, AgentConfig
-    from fedper.edge.service import run_agent
 
     rounds, state = 2, tmp_path / "coordinator"
     coordinator = subprocess.Popen(
@@ -363,19 +362,7 @@ def test_real_agents_train_under_dp_and_epsilon_is_reported_each_round(tmp_path:
         agents.append(Agent(AgentConfig(artifacts=tiny_artifacts, data=data, broker=mosquitto.url, fleet="dplive",
                                         client_id=f"dev{j}", state_dir=tmp_path / f"dev{j}", batch_size=8, lr=0.05,
                                         reconnect_spread_s=1.0), log=log.append))
-    stop = threading.Event()
-    threads = [threading.Thread(target=run_agent, args=(agent, stop), daemon=True) for agent in agents]
-    for thread in threads:
-        thread.start()
-    try:
-        _, err = coordinator.communicate(timeout=150)
-        assert coordinator.returncode == 0, err
-        for thread in threads:
-            thread.join(30)
-        assert not any(thread.is_alive() for thread in threads), logs
-    finally:
-        stop.set()
-        coordinator.kill()
+    err = run_fleet(coordinator, agents, 150, logs)
     closed = records(state)
     assert [r["participants"] for r in closed] == [2] * rounds
     epsilons = [r["dp"]["epsilon"] for r in closed]

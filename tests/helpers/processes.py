@@ -123,3 +123,25 @@ def watch_peak_rss(proc: subprocess.Popen[bytes], interval: float = 0.05) -> Cal
         return peak[0]
 
     return result
+
+
+def run_fleet(coordinator: subprocess.Popen[Any], agents: list[Any], timeout: float, logs: object) -> Any:
+    """Run real agents (fedper.edge.engine.Agent) in threads until the coordinator process has finished
+    its rounds; `logs` goes into the failure message. Returns the coordinator's stderr."""
+    from fedper.edge.service import run_agent
+
+    stop = threading.Event()
+    threads = [threading.Thread(target=run_agent, args=(agent, stop), daemon=True) for agent in agents]
+    for thread in threads:
+        thread.start()
+    try:
+        _, err = coordinator.communicate(timeout=timeout)
+        assert coordinator.returncode == 0, err
+        for thread in threads:
+            thread.join(30)
+        assert not any(thread.is_alive() for thread in threads), logs
+    finally:
+        stop.set()
+        coordinator.kill()
+    return err
+
