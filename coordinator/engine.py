@@ -196,7 +196,7 @@ class Coordinator:
         self._deadline = 0.0
         self._opened_at = 0.0
         self._broadcast_s = 0.0
-        self._model_blob: tuple[str, bytes, list[bytes]] | None = None
+        self._model_blob: tuple[str, bytes, list[bytes], str] | None = None  # id, blob, frames, sha256
         self._published_blob: tuple[str, int] | None = None  # retained chunks to clear when the model changes
         self._state_dirty = True
         self._last_state = -1e18
@@ -762,7 +762,8 @@ class Coordinator:
         if self._model_blob is None or self._model_blob[0] != blob_id:
             blob = encode_shared(self.manifest, self.model)
             frames = chunk(blob, self.config.chunk_size, blob_id, {"round": self.round.number})
-            self._model_blob = (blob_id, blob, frames)
+            # the digest its frames carry: the model is hashed once per round (by chunk), not per announcement
+            self._model_blob = (blob_id, blob, frames, decode_chunk(frames[0]).sha256)
         out = []
         if self._published_blob and self._published_blob[0] != blob_id:  # clear the old round's retained chunks
             old_id, old_count = self._published_blob
@@ -773,9 +774,7 @@ class Coordinator:
         return out
 
     def _round_message(self) -> Outgoing:
-        blob_id, blob, frames = self._model_blob or (None, b"", [])
-        # the digest its frames carry: the model is hashed once per round (by chunk), not per announcement
-        digest = decode_chunk(frames[0]).sha256 if frames else hashlib.sha256(blob).hexdigest()
+        blob_id, blob, frames, digest = self._model_blob or (None, b"", [], hashlib.sha256(b"").hexdigest())
         info = RoundInfo(
             round=self.round.number, rounds=self.config.rounds, state="finished" if self.finished else "open",
             deadline=self._deadline, blob_id=str(blob_id), size=len(blob), sha256=digest,

@@ -41,6 +41,7 @@ class MessageRateLimit:
         self.burst = burst if burst is not None else max(1.0, BURST_SECONDS * rate)
         self.max_devices = max_devices
         self._buckets: dict[str, _Bucket] = {}
+        self._swept_at = float("-inf")
         self._uncounted: Counter[str] = Counter()  # drops per device that `take_dropped` has not handed out
         self._lock = threading.Lock()
 
@@ -52,7 +53,8 @@ class MessageRateLimit:
     def _admit(self, device: str, now: float) -> bool:
         bucket = self._buckets.get(device)
         if bucket is None:
-            if len(self._buckets) >= self.max_devices:
+            if len(self._buckets) >= self.max_devices and now - self._swept_at >= 1.0:
+                self._swept_at = now  # a full scan at most once a second, however many new ids arrive
                 self._forget_refilled(now)
             bucket = self._buckets[device] = _Bucket(self.burst, now)
         bucket.tokens = min(self.burst, bucket.tokens + (now - bucket.at) * self.rate)

@@ -51,7 +51,6 @@ the model and the head stay as they were and the right blob, when it comes, is u
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import resource
@@ -75,6 +74,7 @@ from fedper.manifest import Manifest
 from fedper.payload import decode_shared, encode_shared, max_blob_size
 from fedper.wire import (
     DEFAULT_CHUNK_SIZE,
+    Blob,
     ErrorMessage,
     Invitation,
     Outgoing,
@@ -219,7 +219,7 @@ class Agent:
             log(f"restored the head of round {self.saved.round} from {config.state_dir}")
         self.final_accuracy: float | None = None
         self._models = Reassembler(max_blob_size(self.manifest), max_open_blobs=4)
-        self._blobs: dict[str, bytes] = {}  # the newest complete model blob, until a RoundInfo names it
+        self._blob: Blob | None = None  # the newest complete model blob, until a RoundInfo names it
         self._model: RoundModel | None = None  # the open round's model, decoded
         self._round: RoundInfo | None = None
         self._sent_round: int | None = None
@@ -399,11 +399,11 @@ class Agent:
             return []
         self._noted.discard(blob.blob_id)
         info = self._round
-        if info is not None and blob.blob_id == info.blob_id and hashlib.sha256(blob.data).hexdigest() != info.sha256:
+        if info is not None and blob.blob_id == info.blob_id and blob.sha256 != info.sha256:
             self._refuse_blob(blob.blob_id, f"model {blob.blob_id} does not match the round's sha256: "
                               "waiting for the right one")
             return []
-        self._blobs = {blob.blob_id: blob.data}  # only the newest model is worth keeping
+        self._blob = blob  # only the newest model is worth keeping
         return self._progress()
 
     def _refuse_blob(self, blob_id: str, line: str) -> None:
@@ -457,18 +457,18 @@ class Agent:
 
     def _round_model(self, info: RoundInfo) -> Mapping[str, np.ndarray] | None:
         """The model RoundInfo names, decoded once and checked; None while it is not here (or refused)."""
-        if self._model is not None and (self._model.blob_id, self._model.sha256) == (info.blob_id, info.sha256):
+        if self._holds_model(info):
             return self._model.tensors
-        blob = self._blobs.get(info.blob_id)
-        if blob is None:
+        blob = self._blob
+        if blob is None or blob.blob_id != info.blob_id:
             return None
-        if hashlib.sha256(blob).hexdigest() != info.sha256:  # kept: the RoundInfo may be the forged one
+        if blob.sha256 != info.sha256:  # kept: the RoundInfo may be the forged one
             self.log(f"model {info.blob_id} does not match the round's sha256: waiting for the right one")
             return None
-        del self._blobs[info.blob_id]
+        self._blob = None
         self._model = None  # the last round's model is done with: never hold two decoded models
         try:
-            tensors = decode_shared(self.manifest, blob, codec="fp32")  # a round's model is always fp32
+            tensors = decode_shared(self.manifest, blob.data, codec="fp32")  # a round's model is always fp32
         except Exception as e:  # an untrusted blob: whatever fails in decoding it is a refusal, not a crash
             self.log(f"refused model {info.blob_id} of round {info.round}: {type(e).__name__}: {e}")
             return None

@@ -42,6 +42,7 @@ def run_agent(agent: Agent, stop: threading.Event | None = None) -> None:
                 out = agent.handle(event.topic, event.payload)
             for message in out:
                 session.publish(message.topic, message.payload, qos=message.qos, retain=message.retain)
-            if agent.subscriptions() != subscribed:
-                subscribed = agent.subscriptions()
+            wanted = agent.subscriptions()
+            if wanted != subscribed:
+                subscribed = wanted
                 session.subscribe_only(subscribed)

@@ -411,7 +411,7 @@ def decode_chunk(payload: bytes, *, max_blob_size: int | None = None) -> Chunk:
             raise WireError("bad_chunk", f"chunk {name} must be an integer in 0..{MAX_JSON_INT}, got {_shown(value)}")
     if not isinstance(c.blob_id, str) or not NAME_RE.match(c.blob_id):
         raise WireError("bad_chunk", f"chunk blob_id {_shown(c.blob_id)} must match {NAME_RE.pattern}")
-    if not isinstance(c.sha256, str) or not re.fullmatch(r"[0-9a-f]{64}", c.sha256):
+    if not isinstance(c.sha256, str) or not _SHA256_HEX.fullmatch(c.sha256):
         raise WireError("bad_chunk", "chunk sha256 must be 64 lowercase hex digits")
     if not isinstance(c.meta, dict):
         raise WireError("bad_chunk", "chunk meta must be a JSON object")
@@ -433,6 +433,7 @@ class Blob:
     blob_id: str
     data: bytes
     meta: dict[str, Any]
+    sha256: str  # hex, of `data`: checked by the reassembler, so a receiver need not hash it again
 
 
 @dataclass
@@ -508,7 +509,7 @@ class Reassembler:
         data = b"".join(partial.parts[i] for i in range(c.count))  # one copy, into the blob's only buffer
         if hashlib.sha256(data).hexdigest() != c.sha256:
             raise WireError("bad_chunk", f"corrupt blob {c.blob_id}: sha256 mismatch")
-        return Blob(c.blob_id, data, c.meta)
+        return Blob(c.blob_id, data, c.meta, c.sha256)
 
     def _make_room_for_blob(self, source: str, blobs: OrderedDict[str, _Partial]) -> None:
         """Before a source's new blob: displace its own oldest partials while it is at its count, or
