@@ -50,6 +50,7 @@ from common import main, table, write_json
 
 from fedper.manifest import Manifest, ModelInfo, TensorSpec
 from fedper.payload import decode_shared, encode_shared
+from fedper.ports import free_port
 from fedper.wire import ErrorMessage, Invitation, Reassembler, Register, RoundInfo, Topics, UpdateMeta, chunk
 
 FLEET = "scale"
@@ -319,12 +320,6 @@ def _raise_fd_limit() -> int:
 # ------------------------------------------------------------ the broker, the coordinator, the monitor
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_mosquitto(directory: Path, port: int) -> subprocess.Popen[bytes]:
     """Mosquitto on loopback (as tests/conftest.py's Broker), with no connection or queue limits: the
     coordinator's queue takes the whole fleet's registrations at once."""
@@ -427,7 +422,7 @@ def run_fleet(size: int, rounds: int, *, floats: int, workers: int, round_timeou
     artifacts.mkdir(parents=True)
     manifest.save(artifacts)
     (artifacts / "base.safetensors").write_bytes(encode_shared(manifest, filled(manifest, 0.0)))
-    port = _free_port()
+    port = free_port()
     broker = start_mosquitto(directory, port)
     context = mp.get_context("fork")
     ready, results, stop = context.Queue(), context.Queue(), context.Event()

@@ -73,7 +73,7 @@ def _fold_groups(flat: np.ndarray, sums: Mapping[str, np.ndarray], groups: list[
         np.add(acc, weighted, out=acc)
 
 
-def _weight(n_samples: float, total_weight: float) -> float:
+def sample_weight(n_samples: float, total_weight: float) -> float:
     """n_samples as a positive finite float weight that keeps the running total finite; ValueError otherwise
     (an integer like 10**400 has no float: checked here, before a rule changes anything)."""
     try:
@@ -129,7 +129,7 @@ class WeightedMean:
     def add(self, tensors: Mapping[str, Tensor], n_samples: float) -> None:
         """Fold one update in, all or nothing: every check (the weight, the layout) runs before the sum
         changes, so a refused update (ValueError) leaves the rule as it was."""
-        weight = _weight(n_samples, self.total_weight)
+        weight = sample_weight(n_samples, self.total_weight)
         check_layout(tensors, {name: acc.shape for name, acc in self._sum.items()} if self._sum else None)
         if not self._sum and all(isinstance(value, np.ndarray) for value in tensors.values()):
             self._lay_out({name: value.shape for name, value in tensors.items()})
@@ -219,7 +219,7 @@ class _Collect:
 
     def add(self, tensors: Mapping[str, Any], n_samples: float) -> None:
         """Keep one update, all or nothing: a refused one (ValueError) leaves the rule as it was."""
-        weight = _weight(n_samples, self.total_weight)
+        weight = sample_weight(n_samples, self.total_weight)
         first = self._updates[0] if self._updates else None
         check_layout(tensors, {name: value.shape for name, value in first.items()} if first else None)
         self._updates.append(dict(tensors))
@@ -280,5 +280,8 @@ def clip_factor(norm: float, clip_norm: float) -> float:
 def clip_update(tensors: Mapping[str, Any], reference: Mapping[str, Any], max_norm: float) -> dict[str, Any]:
     """Scale the update (tensors - reference) down to an L2 norm of at most max_norm (over all tensors)."""
     scale = clip_factor(delta_norm(tensors, reference, tensors), max_norm)
-    return {n: (as_float64(reference[n]) + (as_float64(tensors[n]) - as_float64(reference[n])) * scale)
-            .astype(tensors[n].dtype) for n in tensors}
+    clipped = {}
+    for name, value in tensors.items():
+        base = as_float64(reference[name])
+        clipped[name] = (base + (as_float64(value) - base) * scale).astype(value.dtype)
+    return clipped

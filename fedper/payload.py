@@ -62,7 +62,7 @@ def decode_shared(manifest: Manifest, blob: bytes, codec: str | None = None,
         arrays = st_load(blob)
     except (SafetensorError, ValueError, OSError) as e:
         raise PayloadError(f"not a valid safetensors blob: {e}") from None
-    metadata = _metadata(blob)
+    metadata = safetensors_metadata(blob)
     sent = metadata.get(compression.CODEC_KEY, "fp32")
     if codec is not None and codec != sent:
         raise PayloadError(f"the update announces codec {codec!r}, its blob is {sent!r}")
@@ -107,7 +107,7 @@ def _check_values(manifest: Manifest, tensors: Mapping[str, np.ndarray], *, what
             raise PayloadError(f"{what}: {spec.name} holds NaN or Inf")
 
 
-def _metadata(blob: bytes) -> dict[str, str]:
+def safetensors_metadata(blob: bytes) -> dict[str, str]:
     """The `__metadata__` of a safetensors header that st_load accepted (so a map of strings, if any)."""
     (n,) = struct.unpack_from("<Q", blob)
     return json.loads(blob[8 : 8 + n]).get("__metadata__") or {}

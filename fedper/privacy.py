@@ -52,7 +52,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from fedper.aggregation import as_float64, check_layout, clip_factor, delta_norm
+from fedper.aggregation import as_float64, check_layout, clip_factor, delta_norm, sample_weight
 from fedper.manifest import Manifest
 
 Tensor = Any  # numpy.ndarray or torch.Tensor
@@ -130,9 +130,7 @@ class DPFedAvg:
 
     def weight(self, n_samples: float) -> float:
         """w_j = min(n_j / cap, 1), or 1 without a cap: no claim can give a device more than one device's say."""
-        n = float(n_samples)
-        if not (math.isfinite(n) and n > 0):
-            raise ValueError(f"an update needs a positive finite sample count, got {n}")
+        n = sample_weight(n_samples, self.total_weight)
         return 1.0 if self.sample_cap is None else min(n / self.sample_cap, 1.0)
 
     def add(self, tensors: Mapping[str, Tensor], n_samples: float) -> float:

@@ -76,6 +76,8 @@ from safetensors import SafetensorError
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
+from fedper.payload import safetensors_metadata
+
 PRIME = 2**521 - 1  # Shamir's field: a Mersenne prime above any 32-byte secret
 SHARE_BYTES = (PRIME.bit_length() + 7) // 8
 MODULUS_BITS = 32  # masked vectors are uint32: arithmetic mod 2**32 is numpy's own wrap-around
@@ -385,8 +387,7 @@ class MaskedInput:
     def from_safetensors(cls, blob: bytes) -> MaskedInput:
         try:
             arrays = st_load(blob)
-            (header_length,) = struct.unpack("<Q", blob[:8])
-            metadata = json.loads(blob[8 : 8 + header_length]).get("__metadata__") or {}
+            metadata = safetensors_metadata(blob)
             masked = arrays["masked"]
             if masked.dtype != np.uint32 or masked.ndim != 1:
                 raise SecAggError("the masked vector must be one-dimensional uint32")
