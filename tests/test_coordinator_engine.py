@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.frames import chunks, safetensors
 from safetensors.numpy import load_file
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
@@ -82,11 +83,14 @@ def test_bad_updates_are_counted_answered_and_never_aggregated(tmp_path: Path, c
     register(c, "a", 10)
     if case == "duplicate":
         send(c, "a", shifted(1.0), 10)
-    tensors, device, kwargs = shifted(1.0), "a", {}
+    tensors, device = shifted(1.0), "a"
     code = {"unknown": "unknown_device", "late": "late_update", "future": "late_update", "duplicate":
             "duplicate_update", "digest": "digest_mismatch", "nan": "bad_tensors", "shape": "bad_tensors",
             "dtype": "bad_tensors", "corrupt": "bad_chunk", "oversized": "bad_chunk", "garbage": "bad_chunk",
             "zero_n": "bad_message", "other_n": "n_samples_mismatch", "bad_meta": "bad_message"}[case]
+    # The hostile frames are written by hand (tests/helpers/frames.py), not with fedper.wire's encoder.
+    honest_meta = {"round": 1, "n_samples": 10, "base_digest": MANIFEST.base_digest, "metrics": {"accuracy": 0.1}}
+    blob = safetensors(tensors)
     if case in ("nan", "shape", "dtype", "oversized", "bad_meta"):
         from safetensors.numpy import save
 
@@ -94,22 +98,17 @@ def test_bad_updates_are_counted_answered_and_never_aggregated(tmp_path: Path, c
                "shape": {**tensors, "stem.bias": np.zeros(3, np.float32)},
                "dtype": {**tensors, "stem.bias": np.zeros(2, np.float16)},
                "oversized": {**tensors, "extra": np.zeros(10_000, np.float32)}}.get(case, tensors)
-        meta = {"round": 1, "n_samples": 10, "base_digest": MANIFEST.base_digest}
-        if case == "bad_meta":
-            meta["n_samples"] = "ten"
-        out = []
-        for frame in chunk(save(bad), 40, "u", meta):
-            out += c.handle(TOPICS.update(device), frame, 1.0)
+        frames = chunks(save(bad), {**honest_meta, "n_samples": "ten"} if case == "bad_meta" else honest_meta, "u", 40)
     elif case in ("corrupt", "garbage"):
-        frames = chunk(encode_shared(MANIFEST, tensors), 40, "u", UpdateMeta(1, 10, MANIFEST.base_digest).to_dict())
+        frames = chunks(blob, honest_meta, "u", 40)
         frames[1] = frames[1][:-1] + bytes([frames[1][-1] ^ 1]) if case == "corrupt" else b"\x00garbage"
-        out = [m for f in frames for m in c.handle(TOPICS.update(device), f, 1.0)]
     else:
         if case == "unknown":
             device = "stranger"
-        kwargs = {"late": {"round_": 0}, "future": {"round_": 7}, "digest": {"digest": "sha256:other"},
-                  "zero_n": {"n": 0}, "other_n": {"n": 11}}.get(case, {})
-        out = send(c, device, tensors, **{"n": 10, **kwargs})
+        changes = {"late": {"round": 0}, "future": {"round": 7}, "digest": {"base_digest": "sha256:other"},
+                   "zero_n": {"n_samples": 0}, "other_n": {"n_samples": 11}}.get(case, {})
+        frames = chunks(blob, {**honest_meta, **changes}, "u2", 40)
+    out = [m for f in frames for m in c.handle(TOPICS.update(device), f, 1.0)]
     before = {k: v.copy() for k, v in c.model.items()}
     assert errors(out) == [code]  # answered once per blob, not once per chunk
     assert c.counters[code] == 1 and c.counters["accepted"] == (1 if case == "duplicate" else 0)
@@ -350,7 +349,7 @@ def fleet(c: Coordinator, devices: list[str], online: bool = True, now: float = 
 
 def upload(c: Coordinator, device: str, frames: int | None = None, now: float = 1.0, blob_id: str = "u1") -> list:
     """The device's hand-built update for the open round, all of its chunk frames or the first `frames`."""
-    from test_untrusted_engine import chunks, meta, safetensors
+    from test_untrusted_engine import meta
 
     payloads = chunks(safetensors(shifted(1.0)), meta(10, c.round.number), blob_id, chunk_size=16)
     assert len(payloads) > 2
