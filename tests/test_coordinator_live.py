@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.frames import chunks, safetensors
 from safetensors.numpy import load_file, save
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
@@ -37,8 +38,6 @@ from fedper.wire import (
     UpdateMeta,
     WireError,
     chunk,
-    decode_frame,
-    encode_frame,
 )
 
 pytestmark = pytest.mark.mosquitto
@@ -256,23 +255,26 @@ def test_bad_messages_against_a_live_coordinator(mosquitto, tmp_path: Path) -> N
     evil = Device(mosquitto.url, "evil", 5, 100.0, manifest, respond=False)
     wait_for(lambda: "r1" in evil.blobs and len(coordinator.registered) == 3, 10, "round 1 and registrations")
     base = decode_shared(manifest, evil.blobs["r1"])
-    evil.send(0, base)  # late: a round that is not open
-    evil.send(1, base, base_digest="sha256:" + "0" * 64)  # wrong digest
+    # the hostile frames are written by hand (tests/helpers/frames.py), not with fedper.wire's encoder
     publish = evil.client.publish
+    meta = {"round": 1, "n_samples": 5, "base_digest": manifest.base_digest}
+    update = safetensors(evil.update(base))
+    for frame in chunks(update, {**meta, "round": 0}, "late", 1000):  # late: a round that is not open
+        publish(TOPICS.update(evil.name), frame, qos=1)
+    for frame in chunks(update, {**meta, "base_digest": "sha256:" + "0" * 64}, "digest", 1000):  # wrong digest
+        publish(TOPICS.update(evil.name), frame, qos=1)
     publish(TOPICS.update(evil.name), b"\x00\x00\x00\x05junk-junk", qos=1)  # not a valid frame
     nan = {**base, "stem.bias": np.array([np.nan, 1], np.float32)}
-    meta = {"round": 1, "n_samples": 5, "base_digest": manifest.base_digest}
-    for frame in chunk(save(nan), 1000, "nan", meta):
+    for frame in chunks(save(nan), meta, "nan", 1000):
         publish(TOPICS.update(evil.name), frame, qos=1)
-    header, data = decode_frame(chunk(b"\x00" * 10, 4, "big", meta)[0])
-    lie = encode_frame({**header, "size": 10**9, "count": 250_000_000}, data)  # claims a gigabyte
+    lie = chunks(b"\x00" * 10, meta, "big", 4, header={"size": 10**9, "count": 250_000_000})[0]  # claims a gigabyte
     publish(TOPICS.update(evil.name), lie, qos=1)
     stranger = make_client("dev-stranger")
     connect_async(stranger, parse_broker_url(mosquitto.url))
-    for frame in chunk(encode_shared(manifest, base), 1000, "x", UpdateMeta(1, 5, manifest.base_digest).to_dict()):
+    for frame in chunks(safetensors(base), meta, "x", 1000):
         stranger.publish(TOPICS.update("stranger"), frame, qos=1)
     wrong_shape = {**base, "stem.bias": np.zeros(3, np.float32)}
-    for frame in chunk(save(wrong_shape), 1000, "shape", meta):
+    for frame in chunks(save(wrong_shape), meta, "shape", 1000):
         publish(TOPICS.update(evil.name), frame, qos=1)
     wait_for(lambda: "a" in coordinator.round.folded, 10, "a's update in round 1")
     good[0].send(1, base)  # the same device, the same round, again
