@@ -10,6 +10,7 @@ import tracemalloc
 import zlib
 
 import pytest
+from helpers.frames import frame
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from vectors.make_vectors import tiny_manifest, tiny_tensors
@@ -27,7 +28,6 @@ from fedper.wire import (
     chunk,
     decode_chunk,
     decode_frame,
-    encode_frame,
 )
 
 blobs = st.binary(min_size=0, max_size=3000)
@@ -96,7 +96,7 @@ def test_oversized_declared_blob_is_refused_before_any_allocation() -> None:
     with pytest.raises(WireError, match="oversized"):
         Reassembler(max_blob_size=999).add("dev", frames[0])
     header, data = decode_frame(frames[0])
-    lying = encode_frame({**header, "size": 10**12, "count": 10**10}, data)  # claims a terabyte
+    lying = frame({**header, "size": 10**12, "count": 10**10}, data)  # claims a terabyte (framed by hand)
     r = Reassembler(max_blob_size=10**6)
     with pytest.raises(WireError, match="oversized"):
         r.add("dev", lying)
@@ -125,12 +125,12 @@ def test_inconsistent_chunk_headers_are_refused() -> None:
     r = Reassembler(1 << 20)
     r.add("dev", frames[0])
     with pytest.raises(WireError, match="inconsistent"):
-        r.add("dev", encode_frame({**header, "meta": {"round": 2}}, data))
+        r.add("dev", frame({**header, "meta": {"round": 2}}, data))
     bad_fields = ({"index": 10}, {"count": 3}, {"chunk_size": 0}, {"index": -1}, {"index": "1"}, {"sha256": "zz"},
                   {"meta": []})
     for bad in bad_fields:
         with pytest.raises(WireError):
-            decode_chunk(encode_frame({**header, **bad}, data))
+            decode_chunk(frame({**header, **bad}, data))
 
 
 def raw_chunk(blob: bytes, blob_id: str, index: int, chunk_size: int) -> bytes:
