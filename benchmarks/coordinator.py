@@ -3,7 +3,8 @@
 Times per update, as ratios within the same run against a raw numpy `acc += update` over the same
 float32 tensors and against a raw float64 `acc64 += update64` over the same tensors (what any
 float64 sum must stream through memory: the floor for the rule): WeightedMean.add (the rule the
-coordinator runs: a flat float64 sum fed a group of tensors at a time), the wire decode (chunk
+coordinator runs: a flat float64 sum, fed the update as decode_shared hands it over, one float32
+array of views into the blob), the wire decode (chunk
 checks + reassembly + sha256 + safetensors + validation), and the engine's whole path per update
 (decode + validate + fold + the checkpoint it writes so a restart loses nothing: the blob, or every
 PARTIAL_EVERY updates the float64 running sum), averaged over 2 x PARTIAL_EVERY updates. Every
@@ -68,10 +69,11 @@ def fold_times(manifest: Manifest, base: dict[str, np.ndarray], repeats: int,
     out), and `engine_repeats` of the engine's: each a fresh engine's mean over 2 x PARTIAL_EVERY updates;
     then the CPU seconds of the same samples (not the engine's, whose fsyncs wait off the CPU).
     All interleaved, so that background load hits every path alike."""
-    update = {n: v + np.float32(1e-3) for n, v in base.items()}
+    blob = encode_shared(manifest, {n: v + np.float32(1e-3) for n, v in base.items()})
+    update = decode_shared(manifest, blob)  # what the engine folds: views into the blob (a PackedTensors)
     raw = {n: v.copy() for n, v in base.items()}
     raw64, update64 = ({n: v.astype(np.float64) for n, v in t.items()} for t in (base, update))
-    frames = chunk(encode_shared(manifest, update), blob_id="u", meta=UpdateMeta(1, 10, manifest.base_digest).to_dict())
+    frames = chunk(blob, blob_id="u", meta=UpdateMeta(1, 10, manifest.base_digest).to_dict())
 
     def raw_add() -> None:
         for name, acc in raw.items():

@@ -460,7 +460,7 @@ class Coordinator:
             raise
         return []
 
-    def _fold(self, device: str, tensors: dict[str, np.ndarray], blob: bytes, n_samples: int,
+    def _fold(self, device: str, tensors: Mapping[str, np.ndarray], blob: bytes, n_samples: int,
               metrics: dict[str, float]) -> None:
         """Fold an update checked in full (tensors prepared) into the round: the aggregator's add is all or
         nothing, and nothing else changes before it succeeded."""
@@ -485,7 +485,7 @@ class Coordinator:
         log.debug("round %d: accepted %s (%d samples, accuracy %s) [%d/%d]", k, device, n_samples,
                  metrics.get("accuracy", "n/a"), len(self.round.folded), self.invited_count)
 
-    def _prepared(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _prepared(self, tensors: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
         """Clipped (with --clip-norm) against the round's base; under DP the rule clips (the trainable tensors)."""
         if self.config.clip_norm is not None and self.dp is None:
             tensors = clip_update(tensors, self.model, self.config.clip_norm)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping, ValuesView
 from typing import Any
 
 import numpy as np
@@ -119,6 +119,44 @@ def _fold_spans(flat: np.ndarray, spans: list[Span], tensors: Mapping[str, np.nd
         _scale_add(flat[start:stop], weighted, weight, fused)
 
 
+class PackedTensors(Mapping[str, np.ndarray]):
+    """A read-only mapping of numpy tensors that lie back to back in one 1-D array, `flat`, in the order
+    of their sorted names: a safetensors data section whose tensors share one dtype (fedper.payload
+    decodes an fp32 blob into one, without a copy). Checked here, by address, so that WeightedMean
+    may fold `flat` in a few large blocks instead of the tensors one by one."""
+
+    def __init__(self, arrays: Mapping[str, np.ndarray], flat: np.ndarray) -> None:
+        position = flat.__array_interface__["data"][0]
+        for name in sorted(arrays):
+            value = arrays[name]
+            if (value.dtype != flat.dtype or not value.flags.c_contiguous
+                    or value.__array_interface__["data"][0] != position):
+                raise ValueError(f"{name} is not the next run of the flat array")
+            position += value.nbytes
+        if position != flat.__array_interface__["data"][0] + flat.nbytes or flat.ndim != 1:
+            raise ValueError("the tensors do not cover the flat array")
+        self._arrays = dict(arrays)
+        self.flat = flat
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._arrays[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._arrays)
+
+    def __len__(self) -> int:
+        return len(self._arrays)
+
+    def keys(self) -> KeysView[str]:  # the dict's own views: Mapping's generic ones look up every name
+        return self._arrays.keys()
+
+    def values(self) -> ValuesView[np.ndarray]:
+        return self._arrays.values()
+
+    def items(self) -> ItemsView[str, np.ndarray]:
+        return self._arrays.items()
+
+
 def sample_weight(n_samples: float, total_weight: float) -> float:
     """n_samples as a positive finite float weight that keeps the running total finite; ValueError otherwise
     (an integer like 10**400 has no float: checked here, before a rule changes anything)."""
@@ -161,7 +199,8 @@ class WeightedMean:
 
     The sum is float64 so that the result does not depend on the order updates arrive in (to 1e-12).
     For numpy updates it is one flat array (each tensor's sum a view of it), into which an update is
-    folded a block of the flat sum at a time through a bounded scratch (peak: the sum + the update being added).
+    folded a block of the flat sum at a time through a bounded scratch (peak: the sum + the update being added);
+    a PackedTensors update is one array already, folded as such.
     Its state is (sums, total_weight, count): `sums()` and `from_sums` checkpoint and resume it bit
     for bit (the coordinator's restart)."""
 
@@ -188,7 +227,10 @@ class WeightedMean:
                 self._dtype.setdefault(name, value.dtype)
         fused = _exact_products(weight, {value.dtype for value in tensors.values() if isinstance(value, np.ndarray)})
         if self._flat is not None:
-            _fold_spans(self._flat, self._spans, tensors, weight, self._scratch, fused)
+            if isinstance(tensors, PackedTensors):  # checked: same names and shapes, so the same flat layout
+                _fold_numpy(self._flat, tensors.flat, weight, self._scratch, fused)
+            else:
+                _fold_spans(self._flat, self._spans, tensors, weight, self._scratch, fused)
             self.total_weight += weight
             self.count += 1
             return
@@ -222,12 +264,13 @@ class WeightedMean:
         return rule
 
     def _lay_out(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
-        """A zero flat float64 sum with a view per tensor, in this order, and its fold blocks."""
-        sizes = {name: math.prod(shape) for name, shape in shapes.items()}
+        """A zero flat float64 sum with a view per tensor, laid out in sorted-name order (a
+        PackedTensors' order), and its fold blocks; `_sum` keeps the order of `shapes`."""
+        sizes = {name: math.prod(shapes[name]) for name in sorted(shapes)}
         self._flat = np.zeros(sum(sizes.values()), np.float64)
-        offsets = np.cumsum([0, *sizes.values()])
-        self._sum = {name: self._flat[offsets[i] : offsets[i + 1]].reshape(shape)
-                     for i, (name, shape) in enumerate(shapes.items())}
+        offsets = dict(zip(sizes, np.cumsum([0, *sizes.values()]).tolist(), strict=False))
+        self._sum = {name: self._flat[offsets[name] : offsets[name] + sizes[name]].reshape(shape)
+                     for name, shape in shapes.items()}
         self._spans = _spans(sizes, _FOLD_BLOCK)
         self._shapes = {name: tuple(shape) for name, shape in shapes.items()}
 

@@ -8,6 +8,9 @@ codec and its parameters travel in the safetensors `__metadata__`; an fp32 blob 
 safetensors with no metadata. BatchNorm running statistics (the shared tensors that are not
 trainable) always travel exact. `decode_shared` undoes the codec and checks that the result is
 exactly the manifest's shared layout (names, shapes, dtypes, finite values) before anybody uses it.
+An fp32 blob decodes without a copy: its tensors are read-only views into the blob, and, since a
+safetensors data section holds them back to back, they come as a fedper.aggregation.PackedTensors,
+whose `flat` array the fold streams through in a few large blocks.
 
 Every refusal, on either side, is a `PayloadError`: the protocol's `bad_tensors`.
 """
@@ -24,6 +27,7 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from fedper import compression
+from fedper.aggregation import PackedTensors
 from fedper.manifest import Manifest
 from fedper.wire import WireError
 
@@ -53,13 +57,14 @@ def encode_shared(manifest: Manifest, tensors: Mapping[str, np.ndarray], codec: 
 
 
 def decode_shared(manifest: Manifest, blob: bytes, codec: str | None = None,
-                  base: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+                  base: Mapping[str, np.ndarray] | None = None) -> Mapping[str, np.ndarray]:
     """The blob's shared tensors in manifest order, decompressed as its metadata says and validated.
     `codec`, when given, is what the sender announced: the blob must say the same. `base`: the
-    round's model, for a blob whose codec encodes the difference from it."""
+    round's model, for a blob whose codec encodes the difference from it. An fp32 blob whose tensors
+    are all float32 comes back as a PackedTensors of read-only views into the blob."""
     blob = bytes(blob)
     try:
-        arrays = st_load(blob)
+        arrays = st_load(blob)  # the reference implementation's checks of the header and the offsets
     except (SafetensorError, ValueError, OSError) as e:
         raise PayloadError(f"not a valid safetensors blob: {e}") from None
     metadata = safetensors_metadata(blob)
@@ -72,8 +77,47 @@ def decode_shared(manifest: Manifest, blob: bytes, codec: str | None = None,
             arrays = compression.decode(arrays, metadata, base)
         except compression.CodecError as e:
             raise PayloadError(str(e)) from None
-    _check_values(manifest, arrays, what="decode")
-    return {t.name: arrays[t.name] for t in manifest.shared_tensors}
+    ordered = {t.name: arrays[t.name] for t in manifest.shared_tensors}
+    if sent == "fp32":
+        ordered = _float32_views(blob, ordered) or ordered
+    _check_values(manifest, ordered, what="decode")  # what is handed on, views or copies
+    return ordered
+
+
+def _float32_views(blob: bytes, copies: Mapping[str, np.ndarray]) -> PackedTensors | None:
+    """The blob's tensors (those of st_load's `copies`) as read-only views into it, when every one is
+    float32 and the data section holds them back to back in sorted-name order (as safetensors writes
+    them); None otherwise. The header is read again with every key unique and every offset an integer
+    so that this reading cannot differ from st_load's; PackedTensors checks that the views tile the data."""
+    (n,) = struct.unpack_from("<Q", blob)
+    header = json.loads(blob[8 : 8 + n], object_pairs_hook=_unique_keys)
+    if header is None:
+        return None
+    header.pop("__metadata__", None)
+    if not copies or header.keys() != copies.keys() or (len(blob) - 8 - n) % 4:
+        return None
+    data = np.frombuffer(blob, np.float32, offset=8 + n)
+    views = {}
+    for name, copy in copies.items():
+        entry = header[name]
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if (not isinstance(offsets, list) or len(offsets) != 2 or any(type(o) is not int for o in offsets)
+                or entry.get("dtype") != "F32" or copy.dtype != np.float32):
+            return None
+        begin, end = offsets
+        if begin % 4 or end - begin != copy.nbytes:
+            return None
+        views[name] = data[begin // 4 : end // 4].reshape(copy.shape)
+    try:
+        return PackedTensors(views, data)
+    except ValueError:
+        return None
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict | None:
+    """json's object_pairs_hook: the object, or None for one that names a key twice."""
+    keys = [key for key, _ in pairs]
+    return dict(pairs) if len(set(keys)) == len(keys) else None
 
 
 def max_blob_size(manifest: Manifest) -> int:

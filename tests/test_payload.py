@@ -12,6 +12,7 @@ import pytest
 from safetensors.numpy import save
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
+from fedper.aggregation import PackedTensors, WeightedMean
 from fedper.compression import CODECS, channels
 from fedper.models import build_model, describe, exported_state
 from fedper.payload import PayloadError, decode_shared, encode_shared
@@ -184,3 +185,73 @@ def test_hand_built_per_channel_parameters_that_do_not_fit_are_bad_tensors(fleet
         assert refused.value.code == "bad_tensors"
     decoded = decode_shared(manifest, blob(*[0.5, 0.25] * rows), "int8-delta-pc", base=shared)
     np.testing.assert_allclose(decoded[weight], shared[weight] + np.float32(1.0), rtol=1e-6)
+
+
+def hand_blob(entries: list[tuple[str, list[int], tuple[int, int]]], data: bytes, pad: int = 0) -> bytes:
+    """A safetensors blob written by hand: (name, shape, data offsets) in header order, float32, and
+    `pad` spaces after the header (the format allows any; an odd pad leaves the data unaligned)."""
+    header = json.dumps({n: {"dtype": "F32", "shape": s, "data_offsets": list(o)} for n, s, o in entries})
+    text = header.encode() + b" " * pad
+    return struct.pack("<Q", len(text)) + text + data
+
+
+def test_an_fp32_blob_decodes_into_read_only_views_that_the_fold_streams_as_one_array(fleet) -> None:
+    """decode_shared hands over views into the blob, in manifest order, as one flat float32 run in
+    sorted-name order; they cannot be written, and WeightedMean folds them to the bits it folds copies to."""
+    manifest, _, shared = fleet
+    blob = encode_shared(manifest, shared)
+    packed = decode_shared(manifest, blob)
+    assert isinstance(packed, PackedTensors)
+    assert list(packed) == manifest.names(shared=True)
+    assert np.shares_memory(packed.flat, np.frombuffer(blob, np.uint8))
+    assert np.array_equal(packed.flat, np.concatenate([shared[n].ravel() for n in sorted(shared)]))
+    name = manifest.names(shared=True)[0]
+    with pytest.raises(ValueError, match="read-only"):
+        packed[name][...] = 0
+    other = {n: v * np.float32(0.5) - np.float32(0.25) for n, v in shared.items()}
+    for first, second in [(packed, other), (other, packed)]:  # a packed update first or second in a round
+        mean, reference = WeightedMean(), WeightedMean()
+        mean.add(first, 3)
+        mean.add(second, 7)
+        reference.add({n: first[n].copy() for n in first}, 3)
+        reference.add({n: second[n].copy() for n in second}, 7)
+        result, expected = mean.result(), reference.result()
+        assert list(result) == list(expected) == list(first)
+        assert all(np.array_equal(result[n], expected[n]) for n in expected)
+        assert not np.array_equal(result[name], shared[name])  # the two updates really were different
+
+
+def test_hand_built_fp32_blobs_decode_to_their_values_whatever_their_layout() -> None:
+    """Blobs our encoder does not write: data in another order than the names' (valid safetensors: decoded
+    by copy, each name its own bytes), an unaligned data section (views still right), and a NaN in
+    either (refused: the check runs on what is handed over). A duplicate name is refused."""
+    manifest = tiny_manifest()
+    weight, bias = np.arange(6, dtype=np.float32).reshape(2, 3), np.array([0.5, -1.25], np.float32)
+    in_order = [("stem.bias", [2], (0, 8)), ("stem.weight", [2, 3], (8, 32))]
+    reversed_data = [("stem.bias", [2], (24, 32)), ("stem.weight", [2, 3], (0, 24))]
+    cases = [(hand_blob(in_order, bias.tobytes() + weight.tobytes()), True),
+             (hand_blob(in_order, bias.tobytes() + weight.tobytes(), pad=3), True),
+             (hand_blob(reversed_data, weight.tobytes() + bias.tobytes()), False)]
+    for blob, packed in cases:
+        decoded = decode_shared(manifest, blob)
+        assert isinstance(decoded, PackedTensors) is packed
+        assert np.array_equal(decoded["stem.weight"], weight) and np.array_equal(decoded["stem.bias"], bias)
+        nan = blob[:-4] + struct.pack("<f", float("nan"))  # the last 4 bytes: a value of either tensor
+        with pytest.raises(PayloadError, match="NaN"):
+            decode_shared(manifest, nan)
+    duplicate = (b'{"stem.bias":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},'
+                 b'"stem.bias":{"dtype":"F32","shape":[2],"data_offsets":[24,32]},'
+                 b'"stem.weight":{"dtype":"F32","shape":[2,3],"data_offsets":[8,32]}}')
+    with pytest.raises(PayloadError):
+        decode_shared(manifest, struct.pack("<Q", len(duplicate)) + duplicate + bytes(32))
+
+
+def test_packed_tensors_must_tile_their_flat_array_in_name_order() -> None:
+    flat = np.arange(8, dtype=np.float32)
+    assert list(PackedTensors({"b": flat[2:].reshape(2, 3), "a": flat[:2]}, flat)) == ["b", "a"]
+    for arrays in ({"a": flat[2:], "b": flat[:2]},  # sorted names out of the data's order
+                   {"a": flat[:2], "b": flat[3:]},  # a gap
+                   {"a": flat[:2], "b": flat[2:7]},  # not covering the end
+                   {"a": flat[:2], "b": flat[2:].astype(np.float64)}):  # another dtype (a copy)
+        with pytest.raises(ValueError):
+            PackedTensors(arrays, flat)
