@@ -8,7 +8,10 @@ client, a DataLoader over a TensorDataset, a dict average, the default threads. 
 way of running the emulator that was tried, at B=128 and B=50: its default (batches in
 channels_last order), NCHW batches, bfloat16 autocast, one thread, two single-threaded processes
 (--world-size 2, gloo), the vmap engine. Contenders alternate within each repeat, so load from
-other processes hits them alike; each row is the best of the repeats.
+other processes hits them alike; each row is the best of the repeats. A last row is not a way of
+running the emulator but what the cores allow: the same training steps alone (the same batch
+sizes, channels_last, no data handling, aggregation or evaluation), split evenly over one
+single-threaded process per core running at once; no engine can beat it on this machine.
 
     python benchmarks/emulator.py [--quick] [--out runs/bench]
 """
@@ -19,6 +22,8 @@ import contextlib
 import copy
 import dataclasses
 import json
+import multiprocessing
+import os
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +40,7 @@ from fedper.emulate.fleet import Fleet, FleetConfig
 from fedper.models import build_model
 
 PLAIN = "plain PyTorch loop"
+BOUND = "bound: the training steps alone, one 1-thread process per core at once"
 Contender = Callable[[], tuple[float, float | None]]  # -> (seconds, final mean accuracy or None)
 
 
@@ -110,6 +116,49 @@ def spawned(data: DataConfig, fleet: FleetConfig, rounds: int, world_size: int) 
     return sum(m["wall_s"] for m in metrics[1:]), metrics[rounds - 1]["mean_accuracy"]
 
 
+def _steps_alone(batch_sizes: list[int], width: float, classes: int, start: multiprocessing.synchronize.Barrier,
+                 seconds: multiprocessing.Queue) -> None:
+    """One process of the bound: SGD steps of these batch sizes on one thread, timed from a common start."""
+    torch.set_num_threads(1)
+    model = build_model("mobilenet_v1", classes, width, 32).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = {b: (torch.randn(b, 3, 32, 32).contiguous(memory_format=torch.channels_last),
+                   torch.randint(0, classes, (b,))) for b in set(batch_sizes)}
+
+    def step(b: int) -> None:
+        loss = F.cross_entropy(model(batches[b][0]), batches[b][1])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    for b in batches:  # warm up every shape
+        step(b)
+    start.wait()
+    began = time.perf_counter()
+    for b in batch_sizes:
+        step(b)
+    seconds.put(time.perf_counter() - began)
+
+
+def steps_alone(fleet: Fleet, rounds: int) -> tuple[float, None]:
+    """Seconds for the fleet's training steps of `rounds` rounds, dealt out evenly to one process per core."""
+    cfg, data = fleet.config, fleet.data
+    per_client = [min(cfg.batch_size, n - start) for n in data.n_train for start in range(0, n, cfg.batch_size)]
+    steps = per_client * (cfg.local_epochs * rounds)
+    cores = os.cpu_count() or 1
+    context = multiprocessing.get_context("spawn")
+    start, seconds = context.Barrier(cores), context.Queue()
+    workers = [context.Process(target=_steps_alone,
+                               args=(steps[i::cores], cfg.width, len(data.classes), start, seconds))
+               for i in range(cores)]
+    for worker in workers:
+        worker.start()
+    times = [seconds.get(timeout=600) for _ in workers]
+    for worker in workers:
+        worker.join()
+    return max(times), None
+
+
 def contenders(data_config: DataConfig, data: FleetData, config: FleetConfig, rounds: int) -> dict[str, Contender]:
     def fleet(**changes) -> Fleet:
         return Fleet(dataclasses.replace(config, **changes), data)
@@ -123,6 +172,7 @@ def contenders(data_config: DataConfig, data: FleetData, config: FleetConfig, ro
         "emulator, 1 thread": lambda: emulator(default, rounds, lambda: threads(1)),
         "emulator, 2 processes x 1 thread (--world-size 2)": lambda: spawned(data_config, config, rounds, 2),
         "emulator, vmap engine": lambda: emulator(vmap, rounds),
+        BOUND: lambda: steps_alone(default, rounds),
     }
 
 
