@@ -24,9 +24,11 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import queue
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from multiprocessing.synchronize import Barrier
 from pathlib import Path
 
 import torch
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 from common import main, table, write_json
 from torch.utils.data import DataLoader, TensorDataset
 
+from fedper.batches import epoch_batches
 from fedper.emulate.data import DataConfig, FleetData, load_fleet_data
 from fedper.emulate.experiment import METRICS, RunConfig, run_spawned
 from fedper.emulate.fleet import Fleet, FleetConfig
@@ -116,13 +119,13 @@ def spawned(data: DataConfig, fleet: FleetConfig, rounds: int, world_size: int) 
     return sum(m["wall_s"] for m in metrics[1:]), metrics[rounds - 1]["mean_accuracy"]
 
 
-def _steps_alone(batch_sizes: list[int], width: float, classes: int, start: multiprocessing.synchronize.Barrier,
-                 seconds: multiprocessing.Queue) -> None:
+def _steps_alone(config: FleetConfig, input_size: int, classes: int, batch_sizes: list[int],
+                 start: Barrier, seconds: multiprocessing.Queue) -> None:
     """One process of the bound: SGD steps of these batch sizes on one thread, timed from a common start."""
     torch.set_num_threads(1)
-    model = build_model("mobilenet_v1", classes, width, 32).train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    batches = {b: (torch.randn(b, 3, 32, 32).contiguous(memory_format=torch.channels_last),
+    model = build_model(config.model, classes, config.width, input_size).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
+    batches = {b: (torch.randn(b, 3, input_size, input_size).contiguous(memory_format=torch.channels_last),
                    torch.randint(0, classes, (b,))) for b in set(batch_sizes)}
 
     def step(b: int) -> None:
@@ -141,21 +144,30 @@ def _steps_alone(batch_sizes: list[int], width: float, classes: int, start: mult
 
 
 def steps_alone(fleet: Fleet, rounds: int) -> tuple[float, None]:
-    """Seconds for the fleet's training steps of `rounds` rounds, dealt out evenly to one process per core."""
+    """Seconds for the fleet's training steps of `rounds` rounds (the kernel's batch sizes), dealt out
+    evenly to one process per core; a worker that fails stops the measurement instead of hanging it."""
     cfg, data = fleet.config, fleet.data
-    per_client = [min(cfg.batch_size, n - start) for n in data.n_train for start in range(0, n, cfg.batch_size)]
+    per_client = [len(b) for n in data.n_train for b in epoch_batches(n, cfg.batch_size, (0, 0, 0, 0))]
     steps = per_client * (cfg.local_epochs * rounds)
-    cores = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0))
     context = multiprocessing.get_context("spawn")
-    start, seconds = context.Barrier(cores), context.Queue()
-    workers = [context.Process(target=_steps_alone,
-                               args=(steps[i::cores], cfg.width, len(data.classes), start, seconds))
+    start, seconds = context.Barrier(cores, timeout=300), context.Queue()
+    workers = [context.Process(target=_steps_alone, daemon=True,
+                               args=(cfg, data.input_size, len(data.classes), steps[i::cores], start, seconds))
                for i in range(cores)]
     for worker in workers:
         worker.start()
-    times = [seconds.get(timeout=600) for _ in workers]
-    for worker in workers:
-        worker.join()
+    times: list[float] = []
+    try:
+        while len(times) < cores:
+            try:
+                times.append(seconds.get(timeout=1))
+            except queue.Empty:
+                if any(worker.exitcode not in (None, 0) for worker in workers):
+                    raise RuntimeError("a process of the bound failed") from None
+    finally:
+        for worker in workers:
+            worker.terminate()
     return max(times), None
 
 

@@ -122,8 +122,8 @@ def _fold_spans(flat: np.ndarray, spans: list[Span], tensors: Mapping[str, np.nd
 class PackedTensors(Mapping[str, np.ndarray]):
     """A read-only mapping of numpy tensors that lie back to back in one 1-D array, `flat`, in the order
     of their sorted names: a safetensors data section whose tensors share one dtype (fedper.payload
-    decodes an fp32 blob into one, without a copy). Checked here, by address, so that WeightedMean
-    may fold `flat` in a few large blocks instead of the tensors one by one."""
+    decodes an fp32 blob into one, without a copy). Checked here, by address, `flat` contiguous, so
+    that WeightedMean may fold `flat` in a few large blocks instead of the tensors one by one."""
 
     def __init__(self, arrays: Mapping[str, np.ndarray], flat: np.ndarray) -> None:
         position = flat.__array_interface__["data"][0]
@@ -133,7 +133,8 @@ class PackedTensors(Mapping[str, np.ndarray]):
                     or value.__array_interface__["data"][0] != position):
                 raise ValueError(f"{name} is not the next run of the flat array")
             position += value.nbytes
-        if position != flat.__array_interface__["data"][0] + flat.nbytes or flat.ndim != 1:
+        if (flat.ndim != 1 or not flat.flags.c_contiguous
+                or position != flat.__array_interface__["data"][0] + flat.nbytes):
             raise ValueError("the tensors do not cover the flat array")
         self._arrays = dict(arrays)
         self.flat = flat

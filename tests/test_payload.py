@@ -255,3 +255,5 @@ def test_packed_tensors_must_tile_their_flat_array_in_name_order() -> None:
                    {"a": flat[:2], "b": flat[2:].astype(np.float64)}):  # another dtype (a copy)
         with pytest.raises(ValueError):
             PackedTensors(arrays, flat)
+    with pytest.raises(ValueError):  # a strided flat spans more memory than its values: not the tensors'
+        PackedTensors({"a": flat[:2], "b": flat[2:4]}, flat[::2])
