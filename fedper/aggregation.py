@@ -32,12 +32,8 @@ Span = tuple[int, int, tuple[tuple[str, int, int], ...]]  # [start, stop) of the
 
 def _fold_numpy(acc: np.ndarray, value: np.ndarray, weight: float, scratch: np.ndarray, fused: bool) -> None:
     """acc += weight * value through `scratch`: a full-size float64 temporary per tensor would double
-    the peak memory. Cast by np.copyto (float32 -> float64, exact), then scaled and added by `_scale_add`."""
-    if value.size <= scratch.size:
-        weighted = scratch[: value.size].reshape(value.shape)
-        np.copyto(weighted, value)
-        _scale_add(acc.reshape(-1), weighted.reshape(-1), weight, fused)
-        return
+    the peak memory. Cast by np.copyto (float32 -> float64, exact), then scaled and added by `_scale_add`,
+    a scratch-sized block at a time (`acc` is contiguous: a view of the flat sum, or its own array)."""
     flat_acc, flat = acc.reshape(-1), value.reshape(-1)  # value.reshape copies only a non-contiguous value
     for start in range(0, flat.size, scratch.size):
         block = flat[start : start + scratch.size]

@@ -102,15 +102,36 @@ def _quantize(x: np.ndarray, per_channel: bool) -> tuple[np.ndarray, np.ndarray,
     [lo, hi], within scale / 2 of x. Per-channel parameters are the float32 values sent (scale
     rounded up, so the channel's range still fits 255 steps); per-tensor ones stay float64 (JSON)."""
     rows = _rows(x, channels(x.shape) if per_channel else 1).astype(np.float64)
-    lo, hi = (rows.min(1), rows.max(1)) if rows.shape[1] else (np.zeros(len(rows)), np.zeros(len(rows)))
-    scale = (hi - lo) / 255.0
     if per_channel:
-        lo, wide = lo.astype(np.float32), scale.astype(np.float32)  # lo: an element of x, so exact
-        scale = np.where(wide < scale, np.nextafter(wide, np.float32(np.inf)), wide).astype(np.float64)
-        lo = lo.astype(np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):  # a constant channel (scale 0) is all q = 0
-        q = np.where(scale[:, None] > 0, np.rint((rows - lo[:, None]) / scale[:, None]), 0.0).clip(0, 255)
+        lo, scale = _float32_grid(rows)  # lo: an element of x, so exact
+    else:
+        lo, hi = _range(rows)
+        scale = (hi - lo) / 255.0
+    q = np.rint(_steps(rows, lo, scale)).clip(0, 255)
     return q.astype(np.uint8).reshape(x.shape), lo, scale
+
+
+def _range(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's (min, max); (0, 0) for rows of no values."""
+    return (rows.min(1), rows.max(1)) if rows.shape[1] else (np.zeros(len(rows)), np.zeros(len(rows)))
+
+
+def _float32_grid(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's (lo, scale) as the float32 values sent, in float64: lo rounded down from the row's
+    minimum and scale up from 1/255 of the rest of its range, so that [lo, lo + 255 scale] still
+    covers the row."""
+    low, high = _range(rows)
+    lo = low.astype(np.float32)
+    lo = np.where(lo > low, np.nextafter(lo, np.float32(-np.inf)), lo).astype(np.float64)
+    wide = (high - lo) / 255.0
+    scale = wide.astype(np.float32)
+    return lo, np.where(scale < wide, np.nextafter(scale, np.float32(np.inf)), scale).astype(np.float64)
+
+
+def _steps(rows: np.ndarray, lo: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """(rows - lo) / scale per row, in steps of its grid; a constant row (scale 0) is all 0."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(scale[:, None] > 0, (rows - lo[:, None]) / scale[:, None], 0.0)
 
 
 def _rotates(n: int) -> bool:
@@ -153,15 +174,8 @@ def _quantize_rotated(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     n = rows.shape[1]
     if _rotates(n):
         rows = _hadamard(rows * _signs(n)) / n
-    low, high = (rows.min(1), rows.max(1)) if n else (np.zeros(len(rows)), np.zeros(len(rows)))
-    lo = low.astype(np.float32)
-    lo = np.where(lo > low, np.nextafter(lo, np.float32(-np.inf)), lo).astype(np.float64)
-    wide = (high - lo) / 255.0
-    scale = wide.astype(np.float32)
-    scale = np.where(scale < wide, np.nextafter(scale, np.float32(np.inf)), scale).astype(np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):  # a constant channel (scale 0) is all q = 0
-        steps = np.where(scale[:, None] > 0, (rows - lo[:, None]) / scale[:, None], 0.0)
-    return _nearest_level(steps).astype(np.uint8).reshape(x.shape), lo, scale
+    lo, scale = _float32_grid(rows)
+    return _nearest_level(_steps(rows, lo, scale)).astype(np.uint8).reshape(x.shape), lo, scale
 
 
 def _nearest_level(steps: np.ndarray) -> np.ndarray:

@@ -6,6 +6,7 @@ import base64
 import hashlib
 import json
 import struct
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -103,23 +104,30 @@ def channel_params(metadata: dict[str, str], name: str) -> np.ndarray:
     return np.array(struct.unpack(f"<{len(raw) // 4}f", raw), np.float64).reshape(-1, 2)
 
 
+def channel_round_trips(tensors: dict[str, np.ndarray], seed: int, codec: str) -> Iterator[tuple[np.ndarray, ...]]:
+    """Each non-empty tensor of a per-channel delta codec's round trip against a random reference, as
+    (x, reference, q, decoded, (lo, scale) pairs, the change as float64 channel rows); the
+    stored dtypes and the number of pairs of every tensor checked on the way."""
+    rng = np.random.default_rng(seed)
+    reference = {n: (x + rng.standard_normal(x.shape)).astype(np.float32) for n, x in tensors.items()}
+    arrays_, metadata = encode(tensors, codec, reference=reference)
+    back = decode(arrays_, metadata, reference)
+    for name, x in tensors.items():
+        pairs = channel_params(metadata, name)
+        assert arrays_[name].dtype == np.uint8 and back[name].dtype == np.float32 and len(pairs) == channels(x.shape)
+        if x.size:
+            change = (x - reference[name]).reshape(len(pairs), -1).astype(np.float64)
+            yield x, reference[name], arrays_[name], back[name], pairs, change
+
+
 @settings(max_examples=40, deadline=None)
 @given(tensor_dicts, st.integers(0, 2**32 - 1))
 def test_int8_delta_pc_errs_by_half_a_step_of_each_channels_own_grid(tensors, seed):
     """Every output channel (axis 0) gets its own grid over its own change: the error of each value
     is within half of its channel's step, and that step is 1/255 of the channel's range."""
-    rng = np.random.default_rng(seed)
-    reference = {n: (x + rng.standard_normal(x.shape)).astype(np.float32) for n, x in tensors.items()}
-    arrays_, metadata = encode(tensors, "int8-delta-pc", reference=reference)
-    back = decode(arrays_, metadata, reference)
-    for name, x in tensors.items():
-        pairs = channel_params(metadata, name)
-        assert arrays_[name].dtype == np.uint8 and back[name].dtype == np.float32 and len(pairs) == channels(x.shape)
-        if not x.size:
-            continue
-        change = (x - reference[name]).reshape(len(pairs), -1).astype(np.float64)
-        error = np.abs(back[name].astype(np.float64) - x).reshape(len(pairs), -1)
-        slack = 4 * np.spacing(np.float32(max(np.abs(x).max(), np.abs(reference[name]).max())))
+    for x, reference, _, decoded, pairs, change in channel_round_trips(tensors, seed, "int8-delta-pc"):
+        error = np.abs(decoded.astype(np.float64) - x).reshape(len(pairs), -1)
+        slack = 4 * np.spacing(np.float32(max(np.abs(x).max(), np.abs(reference).max())))
         np.testing.assert_array_equal(pairs[:, 0], change.min(1))
         assert (pairs[:, 1] >= (change.max(1) - change.min(1)) / 255).all()
         assert (pairs[:, 1] <= (change.max(1) - change.min(1)) / 255 * (1 + 2**-23)).all()
@@ -172,29 +180,20 @@ def test_int8_delta_rot_errs_within_its_grid_on_each_rotated_channel(tensors, se
     [lo, lo + 255 scale], scale within float32 rounding of 1/255 of the rotated range, and each
     rotated value errs by at most half the widest step (0.75 scale): in the original values, by
     0.75 scale per value unrotated, 0.75 scale * n in L2 over a rotated channel of n."""
-    rng = np.random.default_rng(seed)
-    reference = {n: (x + rng.standard_normal(x.shape)).astype(np.float32) for n, x in tensors.items()}
-    arrays_, metadata = encode(tensors, "int8-delta-rot", reference=reference)
-    back = decode(arrays_, metadata, reference)
-    for name, x in tensors.items():
-        pairs = channel_params(metadata, name)
-        assert arrays_[name].dtype == np.uint8 and back[name].dtype == np.float32 and len(pairs) == channels(x.shape)
-        if not x.size:
-            continue
-        change = (x - reference[name]).reshape(len(pairs), -1).astype(np.float64)
+    for x, reference, stored, decoded, pairs, change in channel_round_trips(tensors, seed, "int8-delta-rot"):
         n = change.shape[1]
         rotated = n in (2, 4)  # the powers of two these shapes have
         y = change @ rotation(n).T if rotated else change
         lo, scale = pairs[:, 0], pairs[:, 1]
         assert (lo <= y.min(1)).all() and (lo + 255 * scale >= y.max(1) - 2**-40 * np.abs(y).max(1)).all()
         assert (scale <= (y.max(1) - lo) / 255 * (1 + 2**-22)).all()
-        q = arrays_[name].reshape(len(pairs), -1).astype(np.int64)
+        q = stored.reshape(len(pairs), -1).astype(np.int64)
         level = lo[:, None] + scale[:, None] * protocol_grid(q)
         for neighbour in (np.maximum(q - 1, 0), np.minimum(q + 1, 255)):  # q is the nearest level
             other = lo[:, None] + scale[:, None] * protocol_grid(neighbour)
             assert (np.abs(y - level) <= np.abs(y - other) + 2**-40 * np.abs(y).max()).all()
-        error = (back[name].astype(np.float64) - x).reshape(len(pairs), -1)
-        slack = 8 * n * np.spacing(np.float32(max(np.abs(x).max(), np.abs(reference[name]).max())))
+        error = (decoded.astype(np.float64) - x).reshape(len(pairs), -1)
+        slack = 8 * n * np.spacing(np.float32(max(np.abs(x).max(), np.abs(reference).max())))
         if rotated:
             assert (np.sqrt(np.square(error).sum(1)) <= 0.75 * scale * n + slack).all()
         else:
