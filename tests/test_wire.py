@@ -8,6 +8,8 @@ import random
 import struct
 import tracemalloc
 import zlib
+from dataclasses import dataclass
+from typing import Annotated, Optional
 
 import pytest
 from helpers.frames import frame
@@ -19,6 +21,8 @@ from fedper.payload import encode_shared
 from fedper.wire import (
     DEFAULT_CHUNK_SIZE,
     ErrorMessage,
+    Int,
+    Message,
     Reassembler,
     Register,
     RoundInfo,
@@ -256,3 +260,34 @@ def test_topics_and_names() -> None:
     for bad_name in ("", "a/b", "+", "#", "x" * 65):
         with pytest.raises(WireError):
             t.update(bad_name)
+
+
+@dataclass(frozen=True)
+class Hinted(Message):
+    """A message written with typing's own spellings: Optional[...] and a bound inside Annotated."""
+
+    count: Optional[int]  # noqa: UP045 (the spelling under test)
+    size: Annotated[int, Int(1, 10)] | None = None
+    weight: Optional[float] = None  # noqa: UP045
+
+
+@dataclass(frozen=True)
+class Unwired(Message):
+    shape: tuple[int, ...]
+
+
+def test_optional_fields_are_checked_as_their_type_or_null() -> None:
+    assert Hinted.from_dict({"count": None}) == Hinted(None)
+    assert Hinted.decode(Hinted(3, 10, 0.5).encode()) == Hinted(3, 10, 0.5)
+    assert RoundInfo.from_dict({**RoundInfo(1, 2, "open", 1.5, "r1", 10, "a" * 64, 1, "d").to_dict(),
+                                "secagg_session": None}).secagg_session is None
+    for body in ({}, {"count": -1}, {"count": 1.0}, {"count": None, "size": 0}, {"count": None, "size": 11},
+                 {"count": None, "weight": "x"}, {"count": None, "weight": True}):
+        with pytest.raises(WireError) as refused:
+            Hinted.from_dict(body)
+        assert refused.value.code == "bad_message", body
+    round_info = RoundInfo(1, 2, "open", 1.5, "r1", 10, "a" * 64, 1, "d", secagg_session=4).to_dict()
+    with pytest.raises(WireError, match=r"secagg_session must be an integer in 1\.\."):
+        RoundInfo.from_dict({**round_info, "secagg_session": 0})
+    with pytest.raises(TypeError, match="no wire type"):  # a message defined wrongly fails loudly, never unchecked
+        Unwired.from_dict({"shape": [1]})
