@@ -36,27 +36,26 @@ multiplier, below z when devices dropped out.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import logging
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 
 import numpy as np
 
-from fedper.manifest import Manifest, TensorSpec
+from fedper.manifest import Manifest, SummedTensors
 from fedper.secagg import (
-    SHARE_BYTES,
     AggregateResult,
-    EncryptedShare,
     EncryptedShares,
     KeyAdvert,
     MaskedInput,
     SecAggConfig,
     SecAggError,
     SecAggServer,
+    SecAggWire,
     UnmaskResponse,
+    VectorSpec,
     usable_public_key,
 )
 from fedper.wire import (
@@ -64,18 +63,13 @@ from fedper.wire import (
     MAX_SECAGG_DEVICES,
     Outgoing,
     SecAggAdvertise,
-    SecAggNeighbours,
     SecAggShares,
     SecAggUnmask,
-    SecAggUnmaskRequest,
     Topics,
     WireError,
 )
 
 log = logging.getLogger("fedper.coordinator")
-KEY_BYTES = 32
-NONCE_BYTES = 12
-SHARE_CIPHERTEXT_BYTES = 8 + 2 * SHARE_BYTES + 16  # sender, receiver, two shares, the GCM tag
 
 
 def new_session() -> int:
@@ -83,29 +77,23 @@ def new_session() -> int:
     return 1 + secrets.randbelow(MAX_JSON_INT - 1)
 
 
-def _decoded(text: str, size: int, what: str) -> bytes:
-    try:
-        data = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raise WireError("bad_message", f"{what} is not base64") from None
-    if len(data) != size:
-        raise WireError("bad_message", f"{what} holds {len(data)} bytes, not {size}")
-    return data
+class Stage(str, Enum):
+    """Where a session is: its four stages in order, then done or failed. A str, as the state message shows it."""
+
+    ADVERTISE = "advertise"
+    SHARES = "shares"
+    MASKED = "masked"
+    UNMASK = "unmask"
+    DONE = "done"
+    FAILED = "failed"
+
+    def __str__(self) -> str:
+        return self.value
 
 
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def summed_tensors(manifest: Manifest, tensors: str) -> list[TensorSpec]:
-    """The tensors of the vector a device masks, in manifest order: every shared one, or (distributed DP)
-    the trainable shared ones, as fedper.privacy.private_tensor_names."""
-    return [t for t in manifest.shared_tensors if tensors == "shared" or t.trainable]
-
-
-def flat_length(manifest: Manifest, tensors: str = "shared") -> int:
+def flat_length(manifest: Manifest, tensors: SummedTensors = "shared") -> int:
     """Values of the vector a device masks."""
-    return sum(int(np.prod(t.shape, dtype=np.int64)) for t in summed_tensors(manifest, tensors))
+    return sum(int(np.prod(t.shape, dtype=np.int64)) for t in manifest.summed_tensors(tensors))
 
 
 @dataclass
@@ -116,7 +104,7 @@ class _Contribution:
 
 @dataclass
 class SecureRound:
-    """One session of one round. `stage` is advertise, shares, masked, unmask, then done or failed."""
+    """One session of one round; `stage` says where it is."""
 
     round: int
     session: int
@@ -126,8 +114,8 @@ class SecureRound:
     degree: int | None = None  # k; None: fedper.secagg's default (at most MAX_SECAGG_NEIGHBOURS, checked by Config)
     noise_std: float = 0.0  # distributed DP: each device's noise std, z * C / sqrt(expected_weight)
     expected_weight: float | None = None  # distributed DP: m, the fixed denominator (uniform weights); None: n_j
-    tensors: str = "shared"  # which tensors the vector holds: "shared", or "trainable" under DP
-    stage: str = "advertise"
+    tensors: SummedTensors = "shared"  # which tensors the vector holds: "shared", or "trainable" under DP
+    stage: Stage = Stage.ADVERTISE
     deadline: float = 0.0  # of stages 2-4 (stage 1 closes at the round's deadline, decided by the engine)
     adverts: dict[str, tuple[bytes, bytes]] = field(default_factory=dict)  # device -> (c, s) public keys
     roster: tuple[str, ...] = ()  # index -> device, fixed when stage 1 closes
@@ -157,7 +145,11 @@ class SecureRound:
         else:
             self._on_unmask(device, message)
 
-    def _index(self, device: str, stage: str) -> int:
+    @property
+    def wire(self) -> SecAggWire:
+        return SecAggWire(self.round, self.session)
+
+    def _index(self, device: str, stage: Stage) -> int:
         if self.stage != stage:
             raise WireError("secagg", f"a {stage} message while session {self.session} is at stage {self.stage}")
         if device not in self.weights:
@@ -168,9 +160,9 @@ class SecureRound:
         return index
 
     def _on_advert(self, device: str, message: SecAggAdvertise) -> None:
-        if self.stage != "advertise":
+        if self.stage != Stage.ADVERTISE:
             raise WireError("secagg", f"session {self.session} closed its advertisements: wait for the next session")
-        keys = (_decoded(message.c_public, KEY_BYTES, "c_public"), _decoded(message.s_public, KEY_BYTES, "s_public"))
+        keys = self.wire.keys(message)
         if keys[0] == keys[1] or any(k in other for d, other in self.adverts.items() if d != device for k in keys):
             raise WireError("secagg", "public keys must be distinct, and not another device's")
         if not all(usable_public_key(k) for k in keys):
@@ -178,12 +170,8 @@ class SecureRound:
         self.adverts[device] = keys  # a device that restarted in this stage replaces its keys
 
     def _on_shares(self, device: str, message: SecAggShares) -> None:
-        index = self._index(device, "shares")
-        shares = []
-        for key, text in message.shares.items():
-            blob = _decoded(text, NONCE_BYTES + SHARE_CIPHERTEXT_BYTES, f"share for {key}")
-            shares.append(EncryptedShare(index, int(key), blob[:NONCE_BYTES], blob[NONCE_BYTES:]))
-        bundle = EncryptedShares(self.session, index, tuple(shares))
+        index = self._index(device, Stage.SHARES)
+        bundle = self.wire.bundle(message, index, upward=True)
         assert self.server is not None
         self._refused_by_kernel(self.server.check_shares, bundle)
         self._bundles[index] = bundle
@@ -191,7 +179,7 @@ class SecureRound:
 
     def on_masked(self, device: str, blob: bytes, n_samples: int, metrics: dict[str, float]) -> None:
         """A reassembled update blob of codec `secagg` from `device` (its meta checked by the engine)."""
-        index = self._index(device, "masked")
+        index = self._index(device, Stage.MASKED)
         try:
             masked = MaskedInput.from_safetensors(blob)
         except SecAggError as e:
@@ -205,10 +193,8 @@ class SecureRound:
         self._expected.discard(index)
 
     def _on_unmask(self, device: str, message: SecAggUnmask) -> None:
-        index = self._index(device, "unmask")
-        seeds = {int(v): _decoded(s, SHARE_BYTES, f"seed share of {v}") for v, s in message.seed_shares.items()}
-        keys = {int(v): _decoded(s, SHARE_BYTES, f"key share of {v}") for v, s in message.key_shares.items()}
-        response = UnmaskResponse(self.session, index, seeds, keys)
+        index = self._index(device, Stage.UNMASK)
+        response = self.wire.response(message, index)
         assert self.server is not None
         self._refused_by_kernel(self.server.check_response, response)
         self._responses[index] = response
@@ -226,7 +212,7 @@ class SecureRound:
     @property
     def complete(self) -> bool:
         """Every device expected in the open stage (2-4) answered: close it now."""
-        return self.stage in ("shares", "masked", "unmask") and not self._expected
+        return self.stage in (Stage.SHARES, Stage.MASKED, Stage.UNMASK) and not self._expected
 
     def close_adverts(self, registered: Mapping[str, int], now: float, topics: Topics) -> list[Outgoing]:
         """Stage 1 -> 2: the advertisers (still registered) become the roster; each gets its setup and its
@@ -242,53 +228,45 @@ class SecureRound:
         self.server = SecAggServer(config)
         keys = self.server.neighbour_keys([KeyAdvert(self.session, i, *self.adverts[d])
                                            for i, d in enumerate(self.roster)])
-        out = []
-        for index, neighbours in keys.items():
-            message = SecAggNeighbours(
-                round=self.round, session=self.session, devices=config.devices, index=index, length=config.length,
-                clip=config.clip, degree=config.degree, threshold=config.threshold, value_bits=config.value_bits,
-                graph_seed=config.graph_seed, weight_scale=self.weight_scale,
-                adverts={str(a.device): _b64(a.c_public + a.s_public) for a in neighbours.adverts},
-                clip_norm=self.clip, noise_std=self.noise_std,
-                weights="samples" if self.expected_weight is None else "uniform", tensors=self.tensors)
-            out.append(Outgoing(topics.relay(self.roster[index]), message.encode()))
+        spec = VectorSpec(self.weight_scale, self.clip, self.noise_std,
+                          "samples" if self.expected_weight is None else "uniform", self.tensors)
+        out = [Outgoing(topics.relay(self.roster[index]), self.wire.neighbours(config, neighbours, spec).encode())
+               for index, neighbours in keys.items()]
         log.info("round %d: secure aggregation session %d: %d device(s), k %d, t %d, %d-bit values", self.round,
                  self.session, config.devices, config.degree, config.threshold, config.value_bits)
-        return self._next("shares", set(range(len(self.roster))), now, out)
+        return self._next(Stage.SHARES, set(range(len(self.roster))), now, out)
 
     def close_open_stage(self, now: float, topics: Topics, minimum: int) -> list[Outgoing]:
         """Close stage 2, 3 or 4 (all answered, or its deadline passed): relay, request, or aggregate."""
         assert self.server is not None
         try:
-            if self.stage == "shares":
+            if self.stage == Stage.SHARES:
                 if len(self._bundles) < minimum:
                     return self._fail(f"{len(self._bundles)} device(s) shared keys, fewer than {minimum}")
                 inbox = self.server.relay_shares(self._bundles.values())
-                out = [Outgoing(topics.relay(self.roster[u]), SecAggShares(
-                    self.round, self.session, {str(s.sender): _b64(s.nonce + s.ciphertext) for s in m.shares},
-                ).encode()) for u, m in inbox.items()]
-                return self._next("masked", set(inbox), now, out)
-            if self.stage == "masked":
+                out = [Outgoing(topics.relay(self.roster[u]), self.wire.shares(m, upward=False).encode())
+                       for u, m in inbox.items()]
+                return self._next(Stage.MASKED, set(inbox), now, out)
+            if self.stage == Stage.MASKED:
                 if len(self._masked) < minimum:
                     return self._fail(f"{len(self._masked)} masked input(s), fewer than {minimum}")
                 requests = self.server.unmask_requests(self._masked.values())
                 self._masked.clear()  # summed by the server
-                out = [Outgoing(topics.relay(self.roster[u]), SecAggUnmaskRequest(
-                    self.round, self.session, list(r.survivors), list(r.dropped)).encode())
-                    for u, r in requests.items()]
-                return self._next("unmask", set(requests), now, out)
+                out = [Outgoing(topics.relay(self.roster[u]), self.wire.unmask_request(r).encode())
+                       for u, r in requests.items()]
+                return self._next(Stage.UNMASK, set(requests), now, out)
             self.result = self.server.aggregate(self._responses.values())
-            self.stage = "done"
+            self.stage = Stage.DONE
             return []
         except (SecAggError, ValueError) as e:  # NotEnoughShares, a reconstruction that does not check out, a bad key
             return self._fail(str(e))
 
-    def _next(self, stage: str, expected: set[int], now: float, out: list[Outgoing]) -> list[Outgoing]:
+    def _next(self, stage: Stage, expected: set[int], now: float, out: list[Outgoing]) -> list[Outgoing]:
         self.stage, self._expected, self.deadline = stage, expected, now + self.stage_timeout
         return out
 
     def _fail(self, why: str) -> list[Outgoing]:
-        self.stage, self.failure = "failed", why
+        self.stage, self.failure = Stage.FAILED, why
         log.warning("round %d: secure aggregation session %d failed: %s", self.round, self.session, why)
         return []
 
@@ -335,7 +313,7 @@ class SecureRound:
         if self.refused_sum:
             return out
         mean = self.result.sum / self._weight()
-        for t in summed_tensors(manifest, self.tensors):
+        for t in manifest.summed_tensors(self.tensors):
             size = int(np.prod(t.shape, dtype=np.int64))
             delta = mean[start : start + size].reshape(t.shape)
             out[t.name] = (base[t.name].astype(np.float64) + delta).astype(t.dtype)

@@ -15,59 +15,36 @@ sends nothing for that stage.
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from fedper.aggregation import clip_factor
-from fedper.manifest import Manifest
-from fedper.secagg import (
-    DeviceKeys,
-    EncryptedShare,
-    EncryptedShares,
-    KeyAdvert,
-    NeighbourKeys,
-    SecAggClient,
-    SecAggConfig,
-    SecAggError,
-    UnmaskRequest,
-)
+from fedper.manifest import Manifest, SummedTensors
+from fedper.privacy import clip_delta
+from fedper.secagg import DeviceKeys, SecAggClient, SecAggError, SecAggWire
 from fedper.wire import (
     Message,
     Outgoing,
-    SecAggAdvertise,
     SecAggNeighbours,
     SecAggShares,
-    SecAggUnmask,
     SecAggUnmaskRequest,
     Topics,
     UpdateMeta,
     chunk,
 )
 
-NONCE_BYTES = 12
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def _unb64(text: str) -> bytes:
-    return base64.b64decode(text, validate=True)  # the wire checked the alphabet and the length bound
-
 
 def clipped_delta(manifest: Manifest, update: Mapping[str, np.ndarray], model: Mapping[str, np.ndarray],
-                  clip_norm: float, tensors: str = "shared") -> np.ndarray:
-    """update - model over the shared tensors (or the trainable ones) in manifest order, float64, scaled to an
-    L2 norm of at most clip_norm (so every value lies in [-clip_norm, clip_norm])."""
-    specs = [t for t in manifest.shared_tensors if tensors == "shared" or t.trainable]
-    delta = np.concatenate([(np.asarray(update[t.name], np.float64) - np.asarray(model[t.name], np.float64))
-                            .reshape(-1) for t in specs])
+                  clip_norm: float, tensors: SummedTensors = "shared") -> np.ndarray:
+    """update - model over the summed tensors in manifest order, float64, flat, scaled to an L2 norm of at most
+    clip_norm (so every value lies in [-clip_norm, clip_norm]): DP's clip_delta, as one vector."""
+    names = [t.name for t in manifest.summed_tensors(tensors)]
+    clipped = clip_delta(update, model, clip_norm, names)
+    delta = np.concatenate([np.asarray(clipped[name]).reshape(-1) for name in names])
     if not np.isfinite(delta).all():
         raise SecAggError("the update has NaN or Inf values: nothing is sent")
-    return delta * clip_factor(float(np.linalg.norm(delta)), clip_norm)
+    return delta
 
 
 @dataclass
@@ -89,11 +66,13 @@ class SecureParticipant:
     client: SecAggClient | None = None
     _vector: np.ndarray | None = field(default=None, repr=False)
 
+    @property
+    def wire(self) -> SecAggWire:
+        return SecAggWire(self.round, self.session)
+
     def advertise(self) -> Outgoing:
         """Stage 1: the two public keys, for the session RoundInfo named."""
-        c_public, s_public = self.keys.public()
-        message = SecAggAdvertise(self.round, self.session, _b64(c_public), _b64(s_public))
-        return Outgoing(self.topics.secagg(self.device), message.encode())
+        return Outgoing(self.topics.secagg(self.device), self.wire.advertise(self.keys.public()).encode())
 
     def handle(self, message: Message) -> list[Outgoing]:
         if (getattr(message, "round", None), getattr(message, "session", None)) != (self.round, self.session):
@@ -114,47 +93,34 @@ class SecureParticipant:
         """Stage 2: check the setup, then Shamir-share the self-mask seed and the mask key to the neighbours."""
         if self.client is not None:
             raise SecAggError("a second setup for the same session")
-        if message.threshold <= message.degree // 2:
-            raise SecAggError(f"threshold {message.threshold} is not a majority of {message.degree} neighbours: a "
+        config, neighbours, spec = self.wire.setup(message)  # ValueError if the setup is unsound
+        if config.threshold <= config.degree // 2:
+            raise SecAggError(f"threshold {config.threshold} is not a majority of {config.degree} neighbours: a "
                               "coordinator could then gather both kinds of share of one device")
-        uniform = message.weights == "uniform"
-        if message.weight_scale < self.n_samples and not uniform:
-            raise SecAggError(f"weight scale {message.weight_scale} is below this device's {self.n_samples} samples")
-        clip_norm = message.clip if message.clip_norm is None else message.clip_norm
-        if not (0 < clip_norm <= message.clip and message.noise_std >= 0):
-            raise SecAggError(f"clip norm {clip_norm} must be in (0, {message.clip}], noise std {message.noise_std} "
-                              ">= 0")
-        vector = clipped_delta(self.manifest, self.update, self.model, clip_norm, message.tensors)
-        if vector.size != message.length:
-            raise SecAggError(f"the session sums {message.length} values, this device's shared tensors hold "
+        uniform = spec.weights == "uniform"
+        if spec.weight_scale < self.n_samples and not uniform:
+            raise SecAggError(f"weight scale {spec.weight_scale} is below this device's {self.n_samples} samples")
+        clip_norm = config.clip if spec.clip_norm is None else spec.clip_norm
+        if not (0 < clip_norm <= config.clip and spec.noise_std >= 0):
+            raise SecAggError(f"clip norm {clip_norm} must be in (0, {config.clip}], noise std {spec.noise_std} >= 0")
+        vector = clipped_delta(self.manifest, self.update, self.model, clip_norm, spec.tensors)
+        if vector.size != config.length:
+            raise SecAggError(f"the session sums {config.length} values, this device's shared tensors hold "
                               f"{vector.size}")
-        config = SecAggConfig(self.session, message.devices, message.length, message.clip, message.degree,
-                              message.threshold, message.value_bits, message.graph_seed)  # ValueError if unsound
-        client = SecAggClient(config, message.index, self.keys)
+        client = SecAggClient(config, neighbours.device, self.keys)
         client.advertise()  # stage 1 was the advert this device sent before the setup existed
-        adverts = []
-        for key, text in message.adverts.items():
-            pair = _unb64(text)
-            if len(pair) != 64:
-                raise SecAggError(f"neighbour {key}'s keys are {len(pair)} bytes, not 64")
-            adverts.append(KeyAdvert(self.session, int(key), pair[:32], pair[32:]))
-        bundle = client.share_keys(NeighbourKeys(self.session, message.index, tuple(adverts)))
-        vector = vector if uniform else vector * (self.n_samples / message.weight_scale)
-        if message.noise_std > 0:  # distributed DP: this device's share of the noise (fresh entropy)
-            vector = vector + np.random.default_rng().normal(0.0, message.noise_std, vector.size)
+        bundle = client.share_keys(neighbours)
+        vector = vector if uniform else vector * (self.n_samples / spec.weight_scale)
+        if spec.noise_std > 0:  # distributed DP: this device's share of the noise (fresh entropy)
+            vector = vector + np.random.default_rng().normal(0.0, spec.noise_std, vector.size)
         self.client, self._vector = client, vector
-        shares = {str(s.receiver): _b64(s.nonce + s.ciphertext) for s in bundle.shares}
-        return Outgoing(self.topics.secagg(self.device), SecAggShares(self.round, self.session, shares).encode())
+        return Outgoing(self.topics.secagg(self.device), self.wire.shares(bundle, upward=True).encode())
 
     def _masked_input(self, message: SecAggShares) -> list[Outgoing]:
         """Stage 3: the neighbours' shares (each must authenticate), then the masked input as update chunks."""
         assert self.client is not None and self._vector is not None
-        me = self.client.device
-        shares = []
-        for key, text in message.shares.items():
-            blob = _unb64(text)
-            shares.append(EncryptedShare(int(key), me, blob[:NONCE_BYTES], blob[NONCE_BYTES:]))
-        masked = self.client.masked_input(EncryptedShares(self.session, me, tuple(shares)), self._vector)
+        bundle = self.wire.bundle(message, self.client.device, upward=False)
+        masked = self.client.masked_input(bundle, self._vector)
         self._vector = None  # masked once: the clear vector is no longer needed
         frames = chunk(masked.to_safetensors(), self.chunk_size, f"r{self.round}-s{self.session}",
                        self.meta.to_dict())
@@ -163,9 +129,6 @@ class SecureParticipant:
     def _unmask(self, message: SecAggUnmaskRequest) -> Outgoing:
         """Stage 4: the requested shares; both kinds for one device are refused (UnmaskRefused)."""
         assert self.client is not None
-        request = UnmaskRequest(self.session, self.client.device, tuple(message.survivors), tuple(message.dropped))
-        response = self.client.unmask(request)
-        answer = SecAggUnmask(self.round, self.session, {str(v): _b64(s) for v, s in response.seed_shares.items()},
-                              {str(v): _b64(s) for v, s in response.key_shares.items()})
-        return Outgoing(self.topics.secagg(self.device), answer.encode())
+        response = self.client.unmask(self.wire.request(message, self.client.device))
+        return Outgoing(self.topics.secagg(self.device), self.wire.unmask(response).encode())
 

@@ -19,13 +19,14 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from fedper.algorithms import Trained, check_trained, get_algorithm
 
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 BN_POLICIES = ("shared", "local", "batch")
+SummedTensors = Literal["shared", "trainable"]  # which shared tensors a secure or private sum covers
 
 
 class ManifestError(ValueError):
@@ -91,6 +92,14 @@ class Manifest:
     @property
     def shared_tensors(self) -> tuple[TensorSpec, ...]:
         return tuple(t for t in self.tensors if t.shared)
+
+    def summed_tensors(self, which: SummedTensors = "shared") -> tuple[TensorSpec, ...]:
+        """The tensors a sum covers, in manifest order: every shared one, or the trainable shared ones, those DP
+        clips and noises (BatchNorm statistics are not gradients: docs/privacy.md). The coordinator, the device
+        and fedper.privacy all ask here, so they never disagree on the vector's layout."""
+        if which not in get_args(SummedTensors):
+            raise ValueError(f"summed tensors {which!r}: choose one of {', '.join(get_args(SummedTensors))}")
+        return tuple(t for t in self.shared_tensors if which == "shared" or t.trainable)
 
     @property
     def base_digest(self) -> str:

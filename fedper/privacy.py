@@ -63,7 +63,7 @@ DEFAULT_DELTA = 1e-5  # the delta epsilon is reported at by default; choose it b
 
 def private_tensor_names(manifest: Manifest) -> list[str]:
     """The tensors DP clips and noises: the shared trainable ones (BatchNorm statistics excluded, see above)."""
-    return [t.name for t in manifest.shared_tensors if t.trainable]
+    return [t.name for t in manifest.summed_tensors("trainable")]
 
 
 def round_generator(secret: int, round_index: int) -> np.random.Generator:

@@ -4,9 +4,9 @@ nothing about any one of them, even when devices drop out mid-round.
 The protocol is SecAgg+ (Bell, Bonawitz, Gascón, Lepoint, Raykova, CCS 2020, "Secure Single-Server
 Aggregation with (Poly)Logarithmic Overhead"), the sparse-graph form of SecAgg (Bonawitz et al., CCS
 2017, "Practical Secure Aggregation for Privacy-Preserving Machine Learning"). This module is its pure
-kernel: explicit stages, one client object per device and one server object per round, and serializable
-messages (`to_dict`/`from_dict`, bytes as base64; the masked vector also as safetensors). It does no I/O:
-the transport (MQTT, relayed by the coordinator) is fedper.coordinator.secure_round and
+kernel: explicit stages, one client object per device and one server object per round, and `SecAggWire`,
+the one converter between its messages and fedper.wire's (the masked vector travels as safetensors). It
+does no I/O: the transport (MQTT, relayed by the coordinator) is fedper.coordinator.secure_round and
 fedper.edge.secure_round. Every primitive comes from `cryptography` (the `privacy` extra): X25519 key
 agreement, HKDF-SHA256, AES-256-GCM for the shares, AES-256-CTR as the mask generator. Shamir sharing
 is plain modular arithmetic over the Mersenne prime 2**521 - 1, large enough to share a 32-byte secret in one piece.
@@ -55,7 +55,7 @@ survivor and every device dropped after stage 2 keeps t neighbours that answer s
 from __future__ import annotations
 
 import base64
-import json
+import binascii
 import math
 import os
 import secrets
@@ -63,7 +63,7 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Literal
 
 import numpy as np
 from cryptography.exceptions import InvalidTag
@@ -76,13 +76,28 @@ from safetensors import SafetensorError
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
+from fedper.manifest import SummedTensors
 from fedper.payload import safetensors_metadata
+from fedper.wire import (
+    SecAggAdvertise,
+    SecAggNeighbours,
+    SecAggShares,
+    SecAggUnmask,
+    SecAggUnmaskRequest,
+    WireError,
+)
 
 PRIME = 2**521 - 1  # Shamir's field: a Mersenne prime above any 32-byte secret
 SHARE_BYTES = (PRIME.bit_length() + 7) // 8
 MODULUS_BITS = 32  # masked vectors are uint32: arithmetic mod 2**32 is numpy's own wrap-around
-SECRET_BYTES = 32
+SECRET_BYTES = 32  # a self-mask seed, an X25519 private key
 PROTOCOL = b"fedper-secagg/1"
+# Byte sizes of what crosses the wire (fedper.wire bounds their base64; docs/protocol.md, 6.9 states them).
+KEY_BYTES = 32  # an X25519 public key
+NONCE_BYTES = 12  # AES-GCM's nonce
+TAG_BYTES = 16  # AES-GCM's tag
+SHARE_PLAINTEXT_BYTES = 8 + 2 * SHARE_BYTES  # sender and receiver (u32 each), the seed share and the key share
+SEALED_SHARE_BYTES = NONCE_BYTES + SHARE_PLAINTEXT_BYTES + TAG_BYTES  # nonce || AES-GCM ciphertext and tag
 
 
 class SecAggError(Exception):
@@ -249,14 +264,6 @@ def _apply_pairwise(total: np.ndarray, mask: np.ndarray, me: int, other: int, si
 # ---------------------------------------------------------------- messages
 
 
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def _unb64(text: str) -> bytes:
-    return base64.b64decode(text, validate=True)
-
-
 @dataclass(frozen=True)
 class SecAggConfig:
     """Stage 0, sent by the server with the round: who takes part and how the vector is encoded."""
@@ -292,16 +299,6 @@ class SecAggConfig:
     def neighbours(self, device: int) -> tuple[int, ...]:
         return self.graph[device]
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"round": self.round, "devices": self.devices, "length": self.length, "clip": self.clip,
-                "degree": self.degree, "threshold": self.threshold, "value_bits": self.value_bits,
-                "graph_seed": self.graph_seed}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SecAggConfig:
-        return cls(int(data["round"]), int(data["devices"]), int(data["length"]), float(data["clip"]),
-                   int(data["degree"]), int(data["threshold"]), int(data["value_bits"]), int(data["graph_seed"]))
-
 
 @dataclass(frozen=True)
 class KeyAdvert:
@@ -312,14 +309,6 @@ class KeyAdvert:
     c_public: bytes
     s_public: bytes
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"round": self.round, "device": self.device, "c_public": _b64(self.c_public),
-                "s_public": _b64(self.s_public)}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> KeyAdvert:
-        return cls(int(data["round"]), int(data["device"]), _unb64(data["c_public"]), _unb64(data["s_public"]))
-
 
 @dataclass(frozen=True)
 class NeighbourKeys:
@@ -328,13 +317,6 @@ class NeighbourKeys:
     round: int
     device: int
     adverts: tuple[KeyAdvert, ...]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"round": self.round, "device": self.device, "adverts": [a.to_dict() for a in self.adverts]}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> NeighbourKeys:
-        return cls(int(data["round"]), int(data["device"]), tuple(KeyAdvert.from_dict(a) for a in data["adverts"]))
 
 
 @dataclass(frozen=True)
@@ -346,14 +328,6 @@ class EncryptedShare:
     nonce: bytes
     ciphertext: bytes
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"sender": self.sender, "receiver": self.receiver, "nonce": _b64(self.nonce),
-                "ciphertext": _b64(self.ciphertext)}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> EncryptedShare:
-        return cls(int(data["sender"]), int(data["receiver"]), _unb64(data["nonce"]), _unb64(data["ciphertext"]))
-
 
 @dataclass(frozen=True)
 class EncryptedShares:
@@ -364,13 +338,6 @@ class EncryptedShares:
     device: int
     shares: tuple[EncryptedShare, ...]
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"round": self.round, "device": self.device, "shares": [s.to_dict() for s in self.shares]}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> EncryptedShares:
-        return cls(int(data["round"]), int(data["device"]), tuple(EncryptedShare.from_dict(s) for s in data["shares"]))
-
 
 @dataclass(frozen=True)
 class MaskedInput:
@@ -379,14 +346,6 @@ class MaskedInput:
     round: int
     device: int
     masked: np.ndarray = field(repr=False)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"round": self.round, "device": self.device,
-                "masked": _b64(np.ascontiguousarray(self.masked, dtype="<u4").tobytes())}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> MaskedInput:
-        return cls(int(data["round"]), int(data["device"]), np.frombuffer(_unb64(data["masked"]), dtype="<u4"))
 
     def to_safetensors(self) -> bytes:
         """The wire form of the vector: one U32 tensor, round and device in the metadata."""
@@ -416,15 +375,6 @@ class UnmaskRequest:
     survivors: tuple[int, ...]
     dropped: tuple[int, ...]
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"round": self.round, "device": self.device, "survivors": list(self.survivors),
-                "dropped": list(self.dropped)}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> UnmaskRequest:
-        return cls(int(data["round"]), int(data["device"]), tuple(int(v) for v in data["survivors"]),
-                   tuple(int(v) for v in data["dropped"]))
-
 
 @dataclass(frozen=True)
 class UnmaskResponse:
@@ -435,24 +385,6 @@ class UnmaskResponse:
     seed_shares: dict[int, bytes]
     key_shares: dict[int, bytes]
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"round": self.round, "device": self.device,
-                "seed_shares": {str(v): _b64(s) for v, s in self.seed_shares.items()},
-                "key_shares": {str(v): _b64(s) for v, s in self.key_shares.items()}}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> UnmaskResponse:
-        return cls(int(data["round"]), int(data["device"]),
-                   {int(v): _unb64(s) for v, s in data["seed_shares"].items()},
-                   {int(v): _unb64(s) for v, s in data["key_shares"].items()})
-
-
-def wire_size(message: Any) -> int:
-    """Bytes of a message on the wire: compact JSON, or safetensors for a masked input."""
-    if isinstance(message, MaskedInput):
-        return len(message.to_safetensors())
-    return len(json.dumps(message.to_dict(), separators=(",", ":")).encode())
-
 
 @dataclass(frozen=True)
 class AggregateResult:
@@ -461,6 +393,107 @@ class AggregateResult:
     survivors: tuple[int, ...]
     total: np.ndarray = field(repr=False)
     sum: np.ndarray = field(repr=False)
+
+
+# ---------------------------------------------------------------- the wire form (docs/protocol.md, 6.9)
+
+
+@dataclass(frozen=True)
+class VectorSpec:
+    """How a device makes the vector it masks, sent with its setup: the tensors (every shared one, or the
+    trainable ones under distributed DP), the L2 norm its delta is clipped to (None: the setup's clip), its
+    weight (n_j / weight_scale, or 1 with uniform weights) and the std of the Gaussian noise it adds."""
+
+    weight_scale: int = 1
+    clip_norm: float | None = None
+    noise_std: float = 0.0
+    weights: Literal["samples", "uniform"] = "samples"
+    tensors: SummedTensors = "shared"
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text: str, size: int, what: str) -> bytes:
+    """The bytes of base64 `text`, exactly `size` of them (the wire bounded only its length and alphabet)."""
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise WireError("bad_message", f"{what} is not base64") from None
+    if len(data) != size:
+        raise WireError("bad_message", f"{what} holds {len(data)} bytes, not {size}")
+    return data
+
+
+@dataclass(frozen=True)
+class SecAggWire:
+    """The kernel's messages <-> fedper.wire's stage messages of one session, both ways: the one translation
+    the coordinator, the device and the tests use. The kernel's round is the session; the wire carries the
+    RoundInfo round beside it, names a message's sender by its topic and a peer by its index (a map's key).
+    Decoding checks base64 and byte sizes (WireError "bad_message"); the protocol's rules are the kernel's.
+    The masked input travels as MaskedInput.to_safetensors, in an update's chunks."""
+
+    round: int
+    session: int
+
+    def advertise(self, keys: tuple[bytes, bytes]) -> SecAggAdvertise:
+        """Stage 1, up: a device's (c, s) public keys."""
+        return SecAggAdvertise(self.round, self.session, _b64(keys[0]), _b64(keys[1]))
+
+    def keys(self, message: SecAggAdvertise) -> tuple[bytes, bytes]:
+        return _unb64(message.c_public, KEY_BYTES, "c_public"), _unb64(message.s_public, KEY_BYTES, "s_public")
+
+    def neighbours(self, config: SecAggConfig, keys: NeighbourKeys, spec: VectorSpec) -> SecAggNeighbours:
+        """Stage 1 -> 2, down: device `keys.device`'s setup and its advertising neighbours' keys."""
+        return SecAggNeighbours(
+            round=self.round, session=self.session, devices=config.devices, index=keys.device, length=config.length,
+            clip=config.clip, degree=config.degree, threshold=config.threshold, value_bits=config.value_bits,
+            graph_seed=config.graph_seed, weight_scale=spec.weight_scale,
+            adverts={str(a.device): _b64(a.c_public + a.s_public) for a in keys.adverts},
+            clip_norm=spec.clip_norm, noise_std=spec.noise_std, weights=spec.weights, tensors=spec.tensors)
+
+    def setup(self, message: SecAggNeighbours) -> tuple[SecAggConfig, NeighbourKeys, VectorSpec]:
+        """The setup a device got; ValueError when it is unsound (SecAggConfig's checks)."""
+        config = SecAggConfig(self.session, message.devices, message.length, message.clip, message.degree,
+                              message.threshold, message.value_bits, message.graph_seed)
+        adverts = []
+        for key, text in message.adverts.items():
+            pair = _unb64(text, 2 * KEY_BYTES, f"neighbour {key}'s keys")
+            adverts.append(KeyAdvert(self.session, int(key), pair[:KEY_BYTES], pair[KEY_BYTES:]))
+        spec = VectorSpec(message.weight_scale, message.clip_norm, message.noise_std, message.weights, message.tensors)
+        return config, NeighbourKeys(self.session, message.index, tuple(adverts)), spec
+
+    def shares(self, bundle: EncryptedShares, *, upward: bool) -> SecAggShares:
+        """Stage 2: up, a device's shares keyed by receiver; down, those relayed to `bundle.device`, by sender."""
+        sealed = {str(s.receiver if upward else s.sender): _b64(s.nonce + s.ciphertext) for s in bundle.shares}
+        return SecAggShares(self.round, self.session, sealed)
+
+    def bundle(self, message: SecAggShares, device: int, *, upward: bool) -> EncryptedShares:
+        """The shares `device` sent (upward) or gets, as the kernel's bundle."""
+        shares = []
+        for key, text in message.shares.items():
+            sealed = _unb64(text, SEALED_SHARE_BYTES, f"share for {key}")
+            sender, receiver = (device, int(key)) if upward else (int(key), device)
+            shares.append(EncryptedShare(sender, receiver, sealed[:NONCE_BYTES], sealed[NONCE_BYTES:]))
+        return EncryptedShares(self.session, device, tuple(shares))
+
+    def unmask_request(self, request: UnmaskRequest) -> SecAggUnmaskRequest:
+        """Stage 4, down: whose self-mask shares and whose key shares to reveal."""
+        return SecAggUnmaskRequest(self.round, self.session, list(request.survivors), list(request.dropped))
+
+    def request(self, message: SecAggUnmaskRequest, device: int) -> UnmaskRequest:
+        return UnmaskRequest(self.session, device, tuple(message.survivors), tuple(message.dropped))
+
+    def unmask(self, response: UnmaskResponse) -> SecAggUnmask:
+        """Stage 4, up: the requested shares."""
+        return SecAggUnmask(self.round, self.session, {str(v): _b64(s) for v, s in response.seed_shares.items()},
+                            {str(v): _b64(s) for v, s in response.key_shares.items()})
+
+    def response(self, message: SecAggUnmask, device: int) -> UnmaskResponse:
+        seeds = {int(v): _unb64(s, SHARE_BYTES, f"seed share of {v}") for v, s in message.seed_shares.items()}
+        keys = {int(v): _unb64(s, SHARE_BYTES, f"key share of {v}") for v, s in message.key_shares.items()}
+        return UnmaskResponse(self.session, device, seeds, keys)
 
 
 # ---------------------------------------------------------------- the device
@@ -535,7 +568,7 @@ class SecAggClient:
         for v in sorted(peers):
             plaintext = (struct.pack(">II", self.device, v) + seed_shares[v + 1].to_bytes(SHARE_BYTES, "big")
                          + key_shares[v + 1].to_bytes(SHARE_BYTES, "big"))
-            nonce = os.urandom(12)
+            nonce = os.urandom(NONCE_BYTES)
             aad = _share_aad(self.config.round, self.device, v)
             out.append(EncryptedShare(self.device, v, nonce, AESGCM(self._share_key(v)).encrypt(nonce, plaintext, aad)))
         return EncryptedShares(self.config.round, self.device, tuple(out))
@@ -567,7 +600,7 @@ class SecAggClient:
                     share.nonce, share.ciphertext, _share_aad(self.config.round, share.sender, self.device))
             except InvalidTag:
                 raise ShareDecryptionError(f"the share from device {share.sender} does not authenticate") from None
-            if len(plaintext) != 8 + 2 * SHARE_BYTES or struct.unpack(">II", plaintext[:8]) != (share.sender,
+            if len(plaintext) != SHARE_PLAINTEXT_BYTES or struct.unpack(">II", plaintext[:8]) != (share.sender,
                                                                                                    self.device):
                 raise ShareDecryptionError(f"the share from device {share.sender} is malformed")
             held[share.sender] = (plaintext[8 : 8 + SHARE_BYTES], plaintext[8 + SHARE_BYTES :])

@@ -2,12 +2,12 @@
 masking are recovered, an honest device never reveals both kinds of share of one device, tampered shares
 are refused, fewer than t Shamir shares give nothing, and a device's traffic grows with k, not n.
 
-Every message crosses a serialization boundary (JSON of `to_dict`, safetensors for the masked vector),
-as it would through the coordinator."""
+Every message crosses a serialization boundary (the wire's JSON stage messages through SecAggWire,
+safetensors for the masked vector), as it would through the coordinator."""
 
 from __future__ import annotations
 
-import json
+import base64
 import math
 import secrets
 from dataclasses import replace
@@ -15,7 +15,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from fedper.manifest import Manifest, ModelInfo, TensorSpec
 from fedper.secagg import (
+    KEY_BYTES,
+    NONCE_BYTES,
+    SEALED_SHARE_BYTES,
+    SHARE_BYTES,
     EncryptedShare,
     EncryptedShares,
     KeyAdvert,
@@ -26,26 +31,58 @@ from fedper.secagg import (
     SecAggConfig,
     SecAggError,
     SecAggServer,
+    SecAggWire,
     ShareDecryptionError,
     UnmaskRefused,
     UnmaskRequest,
     UnmaskResponse,
+    VectorSpec,
     degree_for,
     quantization_scale,
     quantize,
     reconstruct,
     shamir_combine,
     shamir_split,
-    wire_size,
+)
+from fedper.wire import (
+    KEY_B64,
+    PAIR_B64,
+    SEALED_SHARE_B64,
+    SecAggAdvertise,
+    SecAggNeighbours,
+    SecAggShares,
+    SecAggUnmask,
+    SecAggUnmaskRequest,
+    WireError,
 )
 
 
-def through_wire(message, traffic: dict[int, int], device: int):
-    """The message as the other side decodes it; its bytes counted against `device`."""
-    traffic[device] = traffic.get(device, 0) + wire_size(message)
+def through_wire(message, traffic: dict[int, int], device: int, config: SecAggConfig, *, upward: bool = True):
+    """The message as the other side decodes it, through the bytes MQTT would carry (SecAggWire's JSON stage
+    messages, or the masked input's safetensors); its bytes counted against `device`. `upward`: a bundle of
+    shares sent by `device` (else relayed to it)."""
+    wire = SecAggWire(round=1, session=config.round)
     if isinstance(message, MaskedInput):
-        return MaskedInput.from_safetensors(message.to_safetensors())
-    return type(message).from_dict(json.loads(json.dumps(message.to_dict())))
+        payload = message.to_safetensors()
+        decoded = MaskedInput.from_safetensors(payload)
+    elif isinstance(message, KeyAdvert):
+        payload = wire.advertise((message.c_public, message.s_public)).encode()
+        decoded = KeyAdvert(config.round, device, *wire.keys(SecAggAdvertise.decode(payload)))
+    elif isinstance(message, NeighbourKeys):
+        payload = wire.neighbours(config, message, VectorSpec()).encode()
+        setup, decoded, _ = wire.setup(SecAggNeighbours.decode(payload))
+        assert setup == config
+    elif isinstance(message, EncryptedShares):
+        payload = wire.shares(message, upward=upward).encode()
+        decoded = wire.bundle(SecAggShares.decode(payload), device, upward=upward)
+    elif isinstance(message, UnmaskRequest):
+        payload = wire.unmask_request(message).encode()
+        decoded = wire.request(SecAggUnmaskRequest.decode(payload), device)
+    else:
+        payload = wire.unmask(message).encode()
+        decoded = wire.response(SecAggUnmask.decode(payload), device)
+    traffic[device] = traffic.get(device, 0) + len(payload)
+    return decoded
 
 
 def run_round(config: SecAggConfig, vectors: np.ndarray, *, gone_before_keys=(), gone_before_shares=(),
@@ -55,15 +92,16 @@ def run_round(config: SecAggConfig, vectors: np.ndarray, *, gone_before_keys=(),
     clients = [SecAggClient(config, u) for u in range(config.devices)]
     server = SecAggServer(config)
     traffic: dict[int, int] = {}
-    keys = server.neighbour_keys(through_wire(c.advertise(), traffic, c.device) for c in clients
+    keys = server.neighbour_keys(through_wire(c.advertise(), traffic, c.device, config) for c in clients
                                  if c.device not in gone_before_keys)
-    bundles = [through_wire(clients[u].share_keys(through_wire(m, traffic, u)), traffic, u)
+    bundles = [through_wire(clients[u].share_keys(through_wire(m, traffic, u, config)), traffic, u, config)
                for u, m in keys.items() if u not in gone_before_shares]
     inbox = server.relay_shares(bundles)
-    masked = [through_wire(clients[u].masked_input(through_wire(m, traffic, u), vectors[u], rng), traffic, u)
+    masked = [through_wire(clients[u].masked_input(through_wire(m, traffic, u, config, upward=False), vectors[u],
+                                                   rng), traffic, u, config)
               for u, m in inbox.items() if u not in gone_before_input]
     requests = server.unmask_requests(masked)
-    responses = [through_wire(clients[u].unmask(through_wire(m, traffic, u)), traffic, u)
+    responses = [through_wire(clients[u].unmask(through_wire(m, traffic, u, config)), traffic, u, config)
                  for u, m in requests.items() if u not in gone_before_unmask]
     return server.aggregate(responses), traffic
 
@@ -243,18 +281,54 @@ def test_the_server_refuses_inputs_outside_the_protocol() -> None:
 
 
 def test_messages_round_trip() -> None:
-    advert = KeyAdvert(1, 2, b"\x01" * 32, b"\x02" * 32)
-    for message in (advert, NeighbourKeys(1, 0, (advert,)), EncryptedShares(1, 2, (EncryptedShare(2, 0, b"n" * 12,
-                                                                                                   b"c" * 40),)),
-                    UnmaskRequest(1, 0, (2, 3), (4,)), UnmaskResponse(1, 0, {2: b"s" * 66}, {4: b"k" * 66})):
-        assert type(message).from_dict(json.loads(json.dumps(message.to_dict()))) == message
+    """Every kernel message comes back equal through SecAggWire and the wire's JSON, both ways."""
+    config = SecAggConfig.create(round=5, devices=50, length=7, clip=0.25, graph_seed=3)
+    advert = KeyAdvert(5, 2, b"\x01" * 32, b"\x02" * 32)
+    sealed = {"nonce": b"n" * NONCE_BYTES, "ciphertext": b"c" * (SEALED_SHARE_BYTES - NONCE_BYTES)}
+    for message, upward in ((advert, True), (NeighbourKeys(5, 0, (advert,)), False),
+                            (EncryptedShares(5, 2, (EncryptedShare(2, 0, **sealed),)), True),
+                            (EncryptedShares(5, 0, (EncryptedShare(2, 0, **sealed),)), False),
+                            (UnmaskRequest(5, 0, (2, 3), (4,)), False),
+                            (UnmaskResponse(5, 0, {2: b"s" * SHARE_BYTES}, {4: b"k" * SHARE_BYTES}), True)):
+        assert through_wire(message, {}, message.device, config, upward=upward) == message
     masked = MaskedInput(1, 2, np.arange(10, dtype=np.uint32))
-    for decoded in (MaskedInput.from_safetensors(masked.to_safetensors()), MaskedInput.from_dict(masked.to_dict())):
-        assert (decoded.round, decoded.device) == (1, 2) and np.array_equal(decoded.masked, masked.masked)
+    decoded = MaskedInput.from_safetensors(masked.to_safetensors())
+    assert (decoded.round, decoded.device) == (1, 2) and np.array_equal(decoded.masked, masked.masked)
     with pytest.raises(SecAggError):
         MaskedInput.from_safetensors(b"\x00" * 16)
-    config = SecAggConfig.create(round=5, devices=50, length=7, clip=0.25, graph_seed=3)
-    assert SecAggConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    wire = SecAggWire(round=1, session=5)
+    spec = VectorSpec(weight_scale=40, clip_norm=0.2, noise_std=0.01, weights="uniform", tensors="trainable")
+    setup, _, got = wire.setup(SecAggNeighbours.decode(wire.neighbours(config, NeighbourKeys(5, 0, ()), spec).encode()))
+    assert (setup, got) == (config, spec)
+
+
+def test_the_wire_bounds_are_the_kernel_byte_sizes_and_other_sizes_are_refused() -> None:
+    def b64(size: int) -> int:
+        return 4 * math.ceil(size / 3)
+
+    assert (b64(KEY_BYTES), b64(2 * KEY_BYTES), b64(SEALED_SHARE_BYTES)) == (KEY_B64, PAIR_B64, SEALED_SHARE_B64)
+    assert b64(SHARE_BYTES) == PAIR_B64  # an unmask answer's share fits the same bound
+    wire = SecAggWire(round=1, session=1)
+    short = base64.b64encode(b"x" * (SEALED_SHARE_BYTES - 1)).decode()
+    for refused in (lambda: wire.bundle(SecAggShares(1, 1, {"0": short}), 1, upward=True),
+                    lambda: wire.keys(SecAggAdvertise(1, 1, short[:44], short[:44])),
+                    lambda: wire.response(SecAggUnmask(1, 1, {"0": "AAAA"}, {}), 1)):
+        with pytest.raises(WireError) as e:
+            refused()
+        assert e.value.code == "bad_message"
+
+
+def test_the_summed_tensors_are_one_manifest_method() -> None:
+    """Secure aggregation, distributed DP and central DP sum the same tensors: every shared one, or the
+    trainable shared ones (BatchNorm statistics are not gradients)."""
+    info = ModelInfo("t", kp=1, num_classes=2, input_shape=(1, 1, 1), mean=(0.0,) * 3, std=(1.0,) * 3)
+    manifest = Manifest(info, "fedper", (TensorSpec("w", (2,), "float32", "base", True, True),
+                                         TensorSpec("bn.running_mean", (2,), "float32", "base", False, True),
+                                         TensorSpec("head", (2,), "float32", "head", True, False)))
+    assert [t.name for t in manifest.summed_tensors()] == ["w", "bn.running_mean"]
+    assert [t.name for t in manifest.summed_tensors("trainable")] == ["w"]
+    with pytest.raises(ValueError, match="summed tensors"):
+        manifest.summed_tensors("head")  # type: ignore[arg-type]
 
 
 def test_the_graph_is_k_regular_and_symmetric() -> None:
