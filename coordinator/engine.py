@@ -683,13 +683,13 @@ class Coordinator:
         if not self.config.secure_aggregation or self.finished:
             self._secure = None
             return
-        from fedper.coordinator.secure_round import SecureRound, flat_length, new_session
+        from fedper.coordinator.secure_round import SecureRound, SecureSettings, flat_length, new_session
 
         c = self.config
         tensors = "shared" if self.dp is None else "trainable"  # DP: private_tensor_names, as DPFedAvg
-        self._secure = SecureRound(self.round.number, new_session(), float(c.clip_norm or 0),
-                                   flat_length(self.manifest, tensors), c.secagg_stage_timeout, c.secagg_degree,
-                                   tensors=tensors)
+        self._secure = SecureRound(self.round.number, new_session(), SecureSettings(
+            float(c.clip_norm or 0), flat_length(self.manifest, tensors), c.secagg_stage_timeout, c.secagg_degree,
+            tensors))
 
     def _on_secagg(self, device: str, payload: bytes, now: float) -> list[Outgoing]:
         if self._secure is None:
@@ -720,12 +720,12 @@ class Coordinator:
             complete = expected <= secure.adverts.keys() or (
                 self.selecting and done >= (self.config.clients_per_round or 0))
             if done >= max(self.config.min_clients, 2) and (complete or now >= self._deadline):
-                if self.dp is not None:  # each device's share of the noise: the sum of m of them has std z * C
-                    m = float(self._expected_participants())
-                    secure.expected_weight = m
-                    secure.noise_std = float(self.config.dp_noise_multiplier or 0) * secure.clip / math.sqrt(m)
+                from fedper.coordinator.secure_round import DistributedNoise
+
+                noise = None if self.dp is None else DistributedNoise(  # m devices' shares: std z * C
+                    float(self.config.dp_noise_multiplier or 0), float(self._expected_participants()))
                 registered = {d: r.n_samples for d, r in self.registered.items()}
-                return secure.close_adverts(registered, now, self.topics) + self._secure_step(now, closing=False)
+                return secure.close_adverts(registered, now, self.topics, noise) + self._secure_step(now, closing=False)
             return self._extend(now, done, "advertisement(s)") if now >= self._deadline else []
         return self._secure_step(now) if now >= secure.deadline else []
 

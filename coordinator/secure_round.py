@@ -37,6 +37,7 @@ multiplier, below z when devices dropped out.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -102,19 +103,34 @@ class _Contribution:
     metrics: dict[str, float]
 
 
+@dataclass(frozen=True)
+class SecureSettings:
+    """What a session runs with, fixed when it opens (from the coordinator's configuration and manifest)."""
+
+    clip: float  # C: the L2 norm a device clips its delta to, and (without noise) the quantization range
+    length: int  # values of the vector a device masks: flat_length(manifest, tensors)
+    stage_timeout: float  # seconds each of stages 2-4 waits
+    degree: int | None = None  # k; None: fedper.secagg's default (at most MAX_SECAGG_NEIGHBOURS, checked by Config)
+    tensors: SummedTensors = "shared"  # which tensors the vector holds: "shared", or "trainable" under DP
+
+
+@dataclass(frozen=True)
+class DistributedNoise:
+    """Distributed DP for one session, decided when its stage 1 closes (the fleet may have grown since it opened):
+    the noise multiplier z and m, the devices a round expects (the fixed denominator, uniform weights)."""
+
+    noise_multiplier: float
+    expected_weight: float
+
+
 @dataclass
 class SecureRound:
     """One session of one round; `stage` says where it is."""
 
     round: int
     session: int
-    clip: float
-    length: int
-    stage_timeout: float
-    degree: int | None = None  # k; None: fedper.secagg's default (at most MAX_SECAGG_NEIGHBOURS, checked by Config)
-    noise_std: float = 0.0  # distributed DP: each device's noise std, z * C / sqrt(expected_weight)
-    expected_weight: float | None = None  # distributed DP: m, the fixed denominator (uniform weights); None: n_j
-    tensors: SummedTensors = "shared"  # which tensors the vector holds: "shared", or "trainable" under DP
+    settings: SecureSettings
+    noise: DistributedNoise | None = None  # given to close_adverts; None: clear sums weighted by n_j
     stage: Stage = Stage.ADVERTISE
     deadline: float = 0.0  # of stages 2-4 (stage 1 closes at the round's deadline, decided by the engine)
     adverts: dict[str, tuple[bytes, bytes]] = field(default_factory=dict)  # device -> (c, s) public keys
@@ -130,6 +146,22 @@ class SecureRound:
     result: AggregateResult | None = None
     failure: str = ""
     refused_sum: str = ""  # why the sum was not released (the check on the sum); "": released
+
+    @property
+    def clip(self) -> float:
+        return self.settings.clip
+
+    @property
+    def expected_weight(self) -> float | None:
+        """m under distributed DP (what the sum is divided by); None: the contributors' n_j."""
+        return None if self.noise is None else self.noise.expected_weight
+
+    @property
+    def noise_std(self) -> float:
+        """Each device's noise std under distributed DP, z * C / sqrt(m): the sum of m of them has std z * C."""
+        if self.noise is None:
+            return 0.0
+        return self.noise.noise_multiplier * self.clip / math.sqrt(self.noise.expected_weight)
 
     # ------------------------------------------------------------ messages from devices
 
@@ -214,22 +246,24 @@ class SecureRound:
         """Every device expected in the open stage (2-4) answered: close it now."""
         return self.stage in (Stage.SHARES, Stage.MASKED, Stage.UNMASK) and not self._expected
 
-    def close_adverts(self, registered: Mapping[str, int], now: float, topics: Topics) -> list[Outgoing]:
+    def close_adverts(self, registered: Mapping[str, int], now: float, topics: Topics,
+                      noise: DistributedNoise | None = None) -> list[Outgoing]:
         """Stage 1 -> 2: the advertisers (still registered) become the roster; each gets its setup and its
-        advertising neighbours' keys."""
+        advertising neighbours' keys (and, with `noise`, its share of the noise)."""
+        self.noise = noise
         self.roster = tuple(sorted(d for d in self.adverts if d in registered))[:MAX_SECAGG_DEVICES]
         if len(self.roster) < 2:
             return self._fail(f"{len(self.roster)} device(s) advertised keys: a sum needs at least 2")
         self.weights = {d: registered[d] for d in self.roster}
         self.weight_scale = max(self.weights.values())
-        config = SecAggConfig.create(round=self.session, devices=len(self.roster), length=self.length,
-                                     clip=self.clip + 6 * self.noise_std, degree=self.degree,
+        config = SecAggConfig.create(round=self.session, devices=len(self.roster), length=self.settings.length,
+                                     clip=self.clip + 6 * self.noise_std, degree=self.settings.degree,
                                      graph_seed=secrets.randbits(32))
         self.server = SecAggServer(config)
         keys = self.server.neighbour_keys([KeyAdvert(self.session, i, *self.adverts[d])
                                            for i, d in enumerate(self.roster)])
         spec = VectorSpec(self.weight_scale, self.clip, self.noise_std,
-                          "samples" if self.expected_weight is None else "uniform", self.tensors)
+                          "samples" if self.noise is None else "uniform", self.settings.tensors)
         out = [Outgoing(topics.relay(self.roster[index]), self.wire.neighbours(config, neighbours, spec).encode())
                for index, neighbours in keys.items()]
         log.info("round %d: secure aggregation session %d: %d device(s), k %d, t %d, %d-bit values", self.round,
@@ -262,7 +296,7 @@ class SecureRound:
             return self._fail(str(e))
 
     def _next(self, stage: Stage, expected: set[int], now: float, out: list[Outgoing]) -> list[Outgoing]:
-        self.stage, self._expected, self.deadline = stage, expected, now + self.stage_timeout
+        self.stage, self._expected, self.deadline = stage, expected, now + self.settings.stage_timeout
         return out
 
     def _fail(self, why: str) -> list[Outgoing]:
@@ -313,7 +347,7 @@ class SecureRound:
         if self.refused_sum:
             return out
         mean = self.result.sum / self._weight()
-        for t in manifest.summed_tensors(self.tensors):
+        for t in manifest.summed_tensors(self.settings.tensors):
             size = int(np.prod(t.shape, dtype=np.int64))
             delta = mean[start : start + size].reshape(t.shape)
             out[t.name] = (base[t.name].astype(np.float64) + delta).astype(t.dtype)
