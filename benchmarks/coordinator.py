@@ -30,8 +30,9 @@ import numpy as np
 from common import main, median, table, write_json
 
 from fedper.aggregation import WeightedMean
-from fedper.coordinator.engine import PARTIAL_EVERY, Config, Coordinator
+from fedper.coordinator.engine import Config, Coordinator
 from fedper.coordinator.store import Store
+from fedper.coordinator.strategies.mean import PARTIAL_EVERY
 from fedper.manifest import Manifest
 from fedper.models import build_model, describe, exported_state
 from fedper.payload import decode_shared, encode_shared, max_blob_size

@@ -90,8 +90,9 @@ def run(
 ) -> None:
     """Serve rounds until --rounds are done; resumes from --state-dir after a restart."""
     from fedper.artifacts import BASE_FILE
-    from fedper.coordinator.engine import AGGREGATORS, Config, Coordinator
+    from fedper.coordinator.engine import Config, Coordinator
     from fedper.coordinator.store import CheckpointError, Store
+    from fedper.coordinator.strategies.mean import AGGREGATORS
     from fedper.manifest import Manifest, ManifestError
     from fedper.mqtt import PROTOCOLS, BrokerRefused, BrokerUrl, parse_broker_url
     from fedper.payload import decode_shared

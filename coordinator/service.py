@@ -21,7 +21,7 @@ import paho.mqtt.client as mqtt
 
 from fedper.coordinator.engine import Coordinator
 from fedper.mqtt import BrokerUrl, Connected, Session, make_client
-from fedper.wire import DEVICE_KINDS, Outgoing
+from fedper.wire import Outgoing
 
 log = logging.getLogger("fedper.coordinator")
 PUBLISH_WAIT_S = 60.0
@@ -46,8 +46,7 @@ def run_service(
     client = make_client(f"fedper-coordinator-{topics.fleet}", protocol=protocol, username=username,
                          password=password, tls=broker.tls, tls_ca=tls_ca, will=(topics.state, offline),
                          manual_ack=True)
-    kinds = DEVICE_KINDS if coordinator.config.secure_aggregation else ("register", "presence", "update")
-    subscriptions = [(f"{topics.base}/{kind}/+", 1) for kind in kinds]
+    subscriptions = [(f"{topics.base}/{kind}/+", 1) for kind in coordinator.strategy.kinds]
     started = False
     try:
         with Session(client, broker, subscriptions, log=log.warning,

@@ -13,8 +13,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,36 @@ STATE_FILE = "state.json"
 METRICS_FILE = "metrics.jsonl"
 FINAL_FILE = "final.safetensors"
 REGISTRY_PREFIX = "registry-"
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What a device said about itself: its n_j (which each of its updates must repeat) and its software."""
+
+    n_samples: int
+    software: str
+
+
+@dataclass(frozen=True)
+class Folded:
+    """An update folded into the open round's aggregate: the weight it was folded with and its metrics."""
+
+    n_samples: int
+    metrics: dict[str, float]
+
+
+@dataclass
+class RoundRecord:
+    """What a restart must not lose about the open round."""
+
+    number: int
+    folded: dict[str, Folded] = field(default_factory=dict)  # by device
+    bytes_received: int = 0
+    extensions: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+    selected: bool = False  # with --clients-per-round: its opening selection is made (and checkpointed)
+    invited: set[str] = field(default_factory=set)  # the devices it invited, the opening selection and top-ups
+    invite_cap: int = 0  # invitations it may make: ceil(F * M), raised at an extension to replace dropouts
 
 
 class CheckpointError(RuntimeError):

@@ -23,8 +23,9 @@ import pytest
 from helpers.processes import run_fleet
 from safetensors.numpy import load_file
 
-from fedper.coordinator.engine import PARTIAL_EVERY, Config, Coordinator
+from fedper.coordinator.engine import Config, Coordinator
 from fedper.coordinator.store import FINAL_FILE, METRICS_FILE, Store
+from fedper.coordinator.strategies.mean import PARTIAL_EVERY
 from fedper.manifest import Manifest, ModelInfo, TensorSpec
 from fedper.privacy import PrivacyAccountant
 from fedper.wire import Topics

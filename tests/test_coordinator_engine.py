@@ -173,7 +173,7 @@ def test_restart_between_partial_checkpoints_folds_the_partial_and_the_blobs_aft
     """Updates are checkpointed as their blobs, and every PARTIAL_EVERY as the float64 running sum that
     replaces the blobs it covers: a kill between two partials loses and doubles nothing, and the
     model is bit for bit what a run without the kill computes."""
-    from fedper.coordinator.engine import PARTIAL_EVERY
+    from fedper.coordinator.strategies.mean import PARTIAL_EVERY
 
     devices = [f"d{i}" for i in range(PARTIAL_EVERY + 3)]
     unbroken = make(tmp_path / "unbroken")

@@ -229,7 +229,7 @@ def test_a_session_with_too_many_silent_devices_is_replaced_and_the_next_one_clo
     for name in fleet.names[1:]:
         fleet.silent[name] = "unmask"
     fleet.pump(ticks=30)
-    assert not fleet.coordinator.finished and fleet.coordinator.secagg_failures == 1
+    assert not fleet.coordinator.finished and fleet.coordinator.strategy.failures == 1
     assert fleet.coordinator.state(fleet.now)["secagg"]["stage"] == "advertise"
     assert fleet.session() != first
     fleet.silent.clear()
