@@ -22,7 +22,15 @@ import numpy as np
 
 from fedper.coordinator.config import Config
 from fedper.coordinator.quota import BURST_SECONDS, MessageRateLimit
-from fedper.coordinator.store import FINAL_FILE, CheckpointError, Folded, Registration, RoundRecord, Store
+from fedper.coordinator.store import (
+    FINAL_FILE,
+    CheckpointError,
+    CoordinatorState,
+    Folded,
+    Registration,
+    RoundRecord,
+    Store,
+)
 from fedper.coordinator.strategies import strategy_for
 from fedper.manifest import Manifest
 from fedper.payload import decode_shared, encode_shared
@@ -91,7 +99,7 @@ class Coordinator:
         self._last_registry_commit = -1e18
         self._last_top_up = -1e18
         self._model_file = ""  # the open round's model file; "" until the first start writes it
-        saved = store.load_state()
+        saved = CoordinatorState.read(store)
         if saved is not None:
             self._resume(saved)
         else:
@@ -126,32 +134,27 @@ class Coordinator:
         self._deadline = now + self.config.round_timeout
         return self.announce(now)
 
-    def _resume(self, saved: dict[str, Any]) -> None:
+    def _resume(self, saved: CoordinatorState) -> None:
         """Pick up the checkpoint of an earlier run in the same state directory."""
-        if saved.get("base_digest") != self.digest:
+        if saved.base_digest != self.digest:
             raise ValueError(f"{self.store.dir} holds the state of a run with another export (base_digest "
-                             f"{saved.get('base_digest')}): use a fresh --state-dir")
-        self.model = decode_shared(self.manifest, encode_shared(self.manifest, self.store.read_tensors(saved["model"])))
-        self._model_file = saved["model"]
-        registry = self.store.load_registry(saved)
+                             f"{saved.base_digest or None}): use a fresh --state-dir")
+        self.model = decode_shared(self.manifest, encode_shared(self.manifest, self.store.read_tensors(saved.model)))
+        self._model_file = saved.model
+        registry = saved.inline_registry if saved.inline_registry is not None else \
+            self.store.read_registry(saved.registry)
         self.registered = {device: Registration(**entry) for device, entry in registry.items()}
-        self._registry_file = saved.get("registry")
+        self._registry_file = saved.registry
         self._written_registry = dict(self.registered) if self._registry_file else {}
-        if "registry" not in saved:  # written before the registry had its own file: start() moves it there
+        if saved.inline_registry is not None:  # written before the registry had its own file: start() moves it
             log.info("migrating %d registration(s) from %s into a registry file", len(self.registered), self.store.dir)
             self._registry_dirty = True
-        self.counters = Counter(saved["counters"])
-        self.finished = saved["finished"]
-        r = saved["round"]
-        folded = {device: Folded(**entry) for device, entry in r["folded"].items()}
-        self.round = RoundRecord(r["number"], folded, r["bytes_received"], r["extensions"], Counter(r["rejected"]))
-        if self.selecting and "selection" in r:  # the open round keeps its invitations, whatever the seed is now
-            self.round.selected = True
-            self.round.invited = set(r["selection"]["invited"])
-            self.round.invite_cap = r["selection"]["invite_cap"]
-        part = saved.get("strategy") or {"privacy": saved.get("dp"), "partial": saved.get("partial"),
-                                         "updates": saved.get("updates", {})}
-        self.strategy.resume(part, self.round, self.model, self.finished)
+        self.counters = Counter(saved.counters)
+        self.finished = saved.finished
+        self.round = saved.round
+        if not self.selecting:  # the open round keeps its invitations only when still selecting
+            self.round.selected, self.round.invited, self.round.invite_cap = False, set(), 0
+        self.strategy.resume(saved.strategy, self.round, self.model, self.finished)
         log.info("resumed from %s: round %d of %d, %d update(s) already accepted, %d device(s) registered",
                  self.store.dir, self.round.number, self.config.rounds, len(self.round.folded), len(self.registered))
 
@@ -416,7 +419,7 @@ class Coordinator:
         """The opening selection of the (new) open round, among the devices registered and online now; the
         caller checkpoints it. Fewer than ceil(F * M) of them: _top_up invites more as they come online."""
         r = self.round
-        r.selected, r.invite_cap = True, self._invitations
+        r.selected, r.invite_cap, r.seed = True, self._invitations, self.config.selection_seed
         r.invited = set(select(self._eligible(), r.invite_cap, seed=self.config.selection_seed, round_=r.number))
         log.info("round %d: invited %d of %d device(s) online", r.number, len(r.invited), len(self.online))
 
@@ -513,20 +516,8 @@ class Coordinator:
                 {device: asdict(entry) for device, entry in self.registered.items()})
             self._written_registry = dict(self.registered)
             self._registry_dirty = False
-        r = self.round
-        selection = {"selection": {"seed": self.config.selection_seed, "invite_cap": r.invite_cap,
-                                   "invited": sorted(r.invited)}} if r.selected else {}
-        self.store.commit({
-            "round": {"number": r.number, "folded": {d: asdict(f) for d, f in r.folded.items()},
-                      "bytes_received": r.bytes_received,
-                      "extensions": r.extensions, "rejected": dict(r.rejected), **selection},
-            "model": self._model_file,
-            "registry": self._registry_file,
-            "counters": dict(self.counters),
-            "finished": self.finished,
-            "base_digest": self.digest,
-            "strategy": self.strategy.checkpoint(),
-        })
+        CoordinatorState(self.digest, self._model_file, self.round, self.counters, self.finished,
+                         self._registry_file, self.strategy.checkpoint()).write(self.store)
         self._state_dirty = True
 
     # ------------------------------------------------------------ outgoing

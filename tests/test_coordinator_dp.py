@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers.legacy_state import rewrite_as_earlier
 from helpers.processes import run_fleet
 from safetensors.numpy import load_file
 
@@ -280,11 +281,13 @@ def test_a_state_directory_is_resumed_only_in_its_own_mode(tmp_path: Path) -> No
         make(tmp_path / "plain")
 
 
-@pytest.mark.parametrize("adaptive", [None, 0.5])
-def test_a_restart_between_updates_releases_the_same_models_bit_for_bit(tmp_path: Path, adaptive: float | None) -> None:
+@pytest.mark.parametrize(("adaptive", "earlier"), [(None, False), (0.5, False), (0.5, True)])
+def test_a_restart_between_updates_releases_the_same_models_bit_for_bit(tmp_path: Path, adaptive: float | None,
+                                                                        earlier: bool) -> None:
     """Two copies of one state directory (one secret): one run unbroken, the other restarted after updates 3
     and 9 (past the partial checkpoint of the float64 sums at 8) and between rounds; with adaptive clipping
-    the clip norm it moved to is resumed too."""
+    the clip norm it moved to is resumed too; `earlier`: each restart from state.json as the release before
+    the versioned record wrote it."""
     devices = [f"d{i:02d}" for i in range(PARTIAL_EVERY + 3)]
     settings = {"rounds": 3, "dp_adaptive_quantile": adaptive}
     unbroken = make(tmp_path / "a", **settings)
@@ -297,9 +300,13 @@ def test_a_restart_between_updates_releases_the_same_models_bit_for_bit(tmp_path
             update(unbroken, device, moved(unbroken, 0.1 + i / 10, seed=i))
             update(restarted, device, moved(restarted, 0.1 + i / 10, seed=i))
             if i in (2, PARTIAL_EVERY):
+                if earlier:
+                    rewrite_as_earlier(tmp_path / "b")
                 restarted = make(tmp_path / "b", **settings)
         close(unbroken)
         close(restarted)
+        if earlier:
+            rewrite_as_earlier(tmp_path / "b")
         restarted = make(tmp_path / "b", **settings)
     assert unbroken.finished and restarted.finished
     a, b = load_file(str(tmp_path / "a" / FINAL_FILE)), load_file(str(tmp_path / "b" / FINAL_FILE))

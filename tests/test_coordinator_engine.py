@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers.frames import chunks, safetensors
+from helpers.legacy_state import earlier_layout, rewrite_as_earlier
 from safetensors.numpy import load_file
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
@@ -169,10 +170,13 @@ def test_restart_keeps_accepted_updates_exactly_once(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model-r2.safetensors"]
 
 
-def test_restart_between_partial_checkpoints_folds_the_partial_and_the_blobs_after_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("earlier", [False, True])
+def test_restart_between_partial_checkpoints_folds_the_partial_and_the_blobs_after_it(tmp_path: Path,
+                                                                                    earlier: bool) -> None:
     """Updates are checkpointed as their blobs, and every PARTIAL_EVERY as the float64 running sum that
     replaces the blobs it covers: a kill between two partials loses and doubles nothing, and the
-    model is bit for bit what a run without the kill computes."""
+    model is bit for bit what a run without the kill computes; also from state.json as the release before
+    the versioned record wrote it (`earlier`)."""
     from fedper.coordinator.strategies.mean import PARTIAL_EVERY
 
     devices = [f"d{i}" for i in range(PARTIAL_EVERY + 3)]
@@ -188,11 +192,14 @@ def test_restart_between_partial_checkpoints_folds_the_partial_and_the_blobs_aft
     assert files == ["model-r1.safetensors", f"partial-r1-{PARTIAL_EVERY}.safetensors",
                      *(f"update-r1-{d}.safetensors" for d in devices[PARTIAL_EVERY:-1])]
     del c  # killed: only the state directory survives
+    if earlier:
+        rewrite_as_earlier(tmp_path)
     c = make(tmp_path)
     c.start(50.0)
     assert set(c.round.folded) == set(devices[:-1])
     assert errors(send(c, devices[0], shifted(9.0), 10, now=51.0)) == ["duplicate_update"]
     send(c, devices[-1], shifted(float(len(devices) - 1)), 10 + len(devices) - 1, now=51.0)
+    assert json.loads((tmp_path / "state.json").read_text())["version"] == 2  # migrated by its first commit
     c.tick(52.0)
     send(unbroken, devices[-1], shifted(float(len(devices) - 1)), 10 + len(devices) - 1, now=51.0)
     unbroken.tick(52.0)
@@ -597,10 +604,8 @@ def test_a_state_json_with_the_registry_inline_is_migrated_at_start(tmp_path: Pa
     c.tick(0.0)
     send(c, "a", shifted(1.0), 10)
     state_path = tmp_path / "state.json"
-    old = json.loads(state_path.read_text())
     [registry] = registry_files(tmp_path)
-    old["registered"] = json.loads(registry.read_text())  # the layout of the earlier release, by hand
-    del old["registry"]
+    old = earlier_layout(json.loads(state_path.read_text()), json.loads(registry.read_text()))  # by hand
     registry.unlink()
     state_path.write_text(json.dumps(old))
 
@@ -617,3 +622,12 @@ def test_a_state_json_with_the_registry_inline_is_migrated_at_start(tmp_path: Pa
     for name, value in expected.items():
         np.testing.assert_allclose(c.model[name], value, rtol=1e-6)
     assert set(make(tmp_path).registered) == {"a", "b"}
+
+
+def test_a_state_json_of_a_newer_version_is_refused_with_the_reason(tmp_path: Path) -> None:
+    c = make(tmp_path)
+    c.start(0.0)
+    state_path = tmp_path / "state.json"
+    state_path.write_text(json.dumps({**json.loads(state_path.read_text()), "version": 3}))
+    with pytest.raises(ValueError, match="version 3, newer than this coordinator's 2"):
+        make(tmp_path)
