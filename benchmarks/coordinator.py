@@ -113,8 +113,8 @@ def feed_engine(manifest: Manifest, base: dict[str, np.ndarray], frames: list[by
     each update's first chunk to its fold being checkpointed, and the tracemalloc peak (bytes) of
     the whole path when `trace_memory`."""
     with tempfile.TemporaryDirectory() as tmp:
-        coordinator = Coordinator(manifest, base, TOPICS, Config(rounds=1, min_clients=devices + 1, round_timeout=1e6),
-                                  Store(tmp))
+        config = Config.of(rounds=1, min_clients=devices + 1, round_timeout=1e6)
+        coordinator = Coordinator(manifest, base, TOPICS, config, Store(tmp))
         coordinator.start(0.0)
         if trace_memory:
             tracemalloc.start()

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from fedper.coordinator.config import Config
+from fedper.coordinator.config import Config, Quotas
 from fedper.coordinator.quota import BURST_SECONDS, MessageRateLimit
 from fedper.coordinator.store import (
     FINAL_FILE,
@@ -63,16 +63,9 @@ class Coordinator:
 
     def __init__(self, manifest: Manifest, initial: Mapping[str, np.ndarray], topics: Topics, config: Config,
                  store: Store) -> None:
-        if config.rounds < 1 or config.min_clients < 1:
-            raise ValueError("rounds and min_clients must be >= 1")
-        self.selecting = config.clients_per_round is not None  # else every registered device takes part
-        if not self.selecting and config.over_select != 1.0:
-            raise ValueError("--over-select needs --clients-per-round: without it every registered device takes part")
-        if config.clients_per_round is not None:
-            self._invitations = invitations(config.clients_per_round, config.over_select)
-            if config.min_clients > config.clients_per_round:
-                raise ValueError(f"--min-clients {config.min_clients} is above --clients-per-round "
-                                 f"{config.clients_per_round}: a round closes at --clients-per-round updates")
+        self.selecting = config.selection.clients_per_round is not None  # else every registered device takes part
+        if config.selection.clients_per_round is not None:
+            self._invitations = invitations(config.selection.clients_per_round, config.selection.over_select)
         self.manifest, self.topics, self.config, self.store = manifest, topics, config, store
         self.strategy = strategy_for(config, manifest, store, topics, self)
         self.digest = manifest.base_digest
@@ -84,7 +77,8 @@ class Coordinator:
         self.online: set[str] = set()
         self.fold_seconds = 0.0  # spent folding and checkpointing accepted updates in this process (monitoring)
         self.bytes_sent = 0  # payload bytes the service published for this process (monitoring)
-        self._reassembler, self._rate = self._quotas(config, self.strategy.upload_size())
+        self._reassembler, self._rate = self._quotas(config.quotas, config.rounds.chunk_size,
+                                                        self.strategy.upload_size())
         self._rejected: dict[str, set[str]] = {}  # device -> blob ids refused (and answered) in the open round
         self._deadline = 0.0
         self._opened_at = 0.0
@@ -110,7 +104,7 @@ class Coordinator:
     def round_size(self) -> int:
         """The updates a round closes at: M with --clients-per-round, else every registered device; DP-FedAvg's
         data-independent denominator m, whoever actually answered."""
-        return max(1, self.config.clients_per_round or len(self.registered))
+        return max(1, self.config.selection.clients_per_round or len(self.registered))
 
     def invited_fraction(self, closed: RoundRecord) -> float:
         """invited / registered with --clients-per-round, else 1 (the accountant's q, docs/privacy.md)."""
@@ -131,7 +125,7 @@ class Coordinator:
         if fresh or selecting or self._registry_dirty:  # dirty here: a registry migrated out of state.json
             self._commit(registry=True)
         self._opened_at = now
-        self._deadline = now + self.config.round_timeout
+        self._deadline = now + self.config.rounds.round_timeout
         return self.announce(now)
 
     def _resume(self, saved: CoordinatorState) -> None:
@@ -156,7 +150,8 @@ class Coordinator:
             self.round.selected, self.round.invited, self.round.invite_cap = False, set(), 0
         self.strategy.resume(saved.strategy, self.round, self.model, self.finished)
         log.info("resumed from %s: round %d of %d, %d update(s) already accepted, %d device(s) registered",
-                 self.store.dir, self.round.number, self.config.rounds, len(self.round.folded), len(self.registered))
+                 self.store.dir, self.round.number, self.config.rounds.rounds, len(self.round.folded),
+                 len(self.registered))
 
     def announce(self, now: float) -> list[Outgoing]:
         """Everything a device needs to join now (also after a broker restart lost retained messages)."""
@@ -208,13 +203,13 @@ class Coordinator:
         out = self._count_rate_limited(now)
         if not self.finished:
             out += self._advance(now)
-        if self.selecting and not self.finished and now - self._last_top_up >= self.config.state_interval:
+        if self.selecting and not self.finished and now - self._last_top_up >= self.config.rounds.state_interval:
             self._last_top_up = now  # devices that come online within one interval are ranked together
             out += self._top_up()
-        if self._registry_dirty and now - self._last_registry_commit >= self.config.state_interval:
+        if self._registry_dirty and now - self._last_registry_commit >= self.config.rounds.state_interval:
             self._last_registry_commit = now  # registrations are checkpointed at this pace, however often they
             self._commit(registry=True)  # change: a device re-registering in a loop must not buy an fsync each
-        if self._state_dirty and now - self._last_state >= self.config.state_interval:
+        if self._state_dirty and now - self._last_state >= self.config.rounds.state_interval:
             out.append(self.state_message(now))
         return out
 
@@ -228,8 +223,8 @@ class Coordinator:
             answered = strategy.answered(self.round.folded.keys())
             done = len(answered)
             complete = self.registered.keys() <= answered or (
-                self.selecting and done >= (self.config.clients_per_round or 0))
-            if done >= max(self.config.min_clients, strategy.quorum) and (complete or now >= self._deadline):
+                self.selecting and done >= (self.config.selection.clients_per_round or 0))
+            if done >= max(self.config.rounds.min_clients, strategy.quorum) and (complete or now >= self._deadline):
                 out += strategy.close(now)
             elif now >= self._deadline:
                 return out + self._extend(now, done, strategy.answers)
@@ -243,7 +238,7 @@ class Coordinator:
         if not self.strategy.failed:
             return []
         self.strategy.open(self.round.number, self.model, finished=False)
-        self._deadline = max(self._deadline, now + self.config.round_timeout)
+        self._deadline = max(self._deadline, now + self.config.rounds.round_timeout)
         self._reassembler.discard()
         self._state_dirty = True
         return [self._round_message()]
@@ -253,10 +248,10 @@ class Coordinator:
         self.round.extensions += 1
         if self.selecting:
             self._replace_dropouts()
-        self._deadline = now + self.config.round_timeout
+        self._deadline = now + self.config.rounds.round_timeout
         log.warning("round %d: deadline passed with %d/%d %s, fewer than --min-clients %d: waiting %.1f s more "
-                    "(extension %d)", self.round.number, done, self.invited_count, what, self.config.min_clients,
-                    self.config.round_timeout, self.round.extensions)
+                    "(extension %d)", self.round.number, done, self.invited_count, what, self.config.rounds.min_clients,
+                    self.config.rounds.round_timeout, self.round.extensions)
         self._state_dirty = True
         return [self._round_message()]
 
@@ -279,9 +274,9 @@ class Coordinator:
         if msg.base_digest != self.digest:
             raise WireError("digest_mismatch", f"manifest base_digest {msg.base_digest} is not the coordinator's "
                             f"{self.digest}: use the same export")
-        if msg.n_samples > self.config.max_samples_per_device:
+        if msg.n_samples > self.config.quotas.max_samples_per_device:
             raise WireError("too_many_samples", f"n_samples {msg.n_samples} is above the coordinator's "
-                            f"--max-samples-per-device {self.config.max_samples_per_device}: not registered")
+                            f"--max-samples-per-device {self.config.quotas.max_samples_per_device}: not registered")
         entry = Registration(msg.n_samples, msg.software)  # replaces an earlier one: see docs/reliability.md
         if self.registered.get(device) != entry:
             log.info("registered %s: %d samples, software %s", device, msg.n_samples, msg.software)
@@ -314,9 +309,9 @@ class Coordinator:
                 raise WireError("duplicate_update", f"round {meta.round} update already accepted from {device}")
             if meta.base_digest != self.digest:
                 raise WireError("digest_mismatch", f"update base_digest {meta.base_digest} is not {self.digest}")
-            if meta.n_samples > self.config.max_samples_per_device:  # registered under a higher cap before a restart
+            if meta.n_samples > self.config.quotas.max_samples_per_device:  # registered under a higher cap earlier
                 raise WireError("too_many_samples", f"n_samples {meta.n_samples} is above --max-samples-per-device "
-                                f"{self.config.max_samples_per_device}")
+                                f"{self.config.quotas.max_samples_per_device}")
             if meta.n_samples != registration.n_samples:
                 raise WireError("n_samples_mismatch", f"the update claims {meta.n_samples} samples, {device} "
                                 f"registered {registration.n_samples}: re-register, then resend")
@@ -370,20 +365,18 @@ class Coordinator:
         return [Outgoing(self.topics.error(device), answer.encode())]
 
     @staticmethod
-    def _quotas(config: Config, blob: int) -> tuple[Reassembler, MessageRateLimit]:
+    def _quotas(quotas: Quotas, chunk_size: int, blob: int) -> tuple[Reassembler, MessageRateLimit]:
         """Per-device quotas (docs/reliability.md, "Untrusted devices"): in-flight uploads, their
         bytes and the message rate, each sized so that an honest device's upload (`blob` bytes) always fits."""
-        per_device = config.max_upload_bytes_per_device or 2 * blob + Reassembler.PARTIAL_COST
-        everyone = config.max_reassembly_bytes or max(DEFAULT_REASSEMBLY_BYTES, 4 * per_device)
+        per_device = quotas.max_upload_bytes_per_device or 2 * blob + Reassembler.PARTIAL_COST
+        everyone = quotas.max_reassembly_bytes or max(DEFAULT_REASSEMBLY_BYTES, 4 * per_device)
         if per_device < blob or everyone < per_device:
             raise ValueError(f"--max-upload-bytes-per-device ({per_device}) must hold one update of the model "
                              f"({blob} bytes) and --max-reassembly-bytes ({everyone}) one device's quota")
-        if config.max_uploads_per_device < 1 or config.max_open_blobs < 1:
-            raise ValueError("--max-uploads-per-device and max_open_blobs must be >= 1")
-        reassembler = Reassembler(blob, config.max_open_blobs, max_blobs_per_source=config.max_uploads_per_device,
+        reassembler = Reassembler(blob, quotas.max_open_blobs, max_blobs_per_source=quotas.max_uploads_per_device,
                                   max_bytes_per_source=per_device, max_bytes=everyone)
-        upload = chunk_count(blob, config.chunk_size)  # messages of one update at the coordinator's chunk size
-        rate = config.max_messages_per_second
+        upload = chunk_count(blob, chunk_size)  # messages of one update at the coordinator's chunk size
+        rate = quotas.max_messages_per_second
         return reassembler, MessageRateLimit(rate, burst=max(BURST_SECONDS * rate, 2 * upload + 16))
 
     def _count_rate_limited(self, now: float) -> list[Outgoing]:
@@ -397,7 +390,7 @@ class Coordinator:
             dropped = self._rate.report_due(device, now)
             if dropped:
                 message = (f"dropped {dropped} message(s) unread since the last report: above "
-                           f"--max-messages-per-second {self.config.max_messages_per_second:g}")
+                           f"--max-messages-per-second {self.config.quotas.max_messages_per_second:g}")
                 log.warning("rate_limited %s: %s", device, message)
                 out.append(Outgoing(self.topics.error(device),
                                     ErrorMessage("rate_limited", message, self.round.number).encode()))
@@ -419,8 +412,8 @@ class Coordinator:
         """The opening selection of the (new) open round, among the devices registered and online now; the
         caller checkpoints it. Fewer than ceil(F * M) of them: _top_up invites more as they come online."""
         r = self.round
-        r.selected, r.invite_cap, r.seed = True, self._invitations, self.config.selection_seed
-        r.invited = set(select(self._eligible(), r.invite_cap, seed=self.config.selection_seed, round_=r.number))
+        r.selected, r.invite_cap, r.seed = True, self._invitations, self.config.selection.selection_seed
+        r.invited = set(select(self._eligible(), r.invite_cap, seed=r.seed, round_=r.number))
         log.info("round %d: invited %d of %d device(s) online", r.number, len(r.invited), len(self.online))
 
     def _eligible(self) -> set[str]:
@@ -433,7 +426,7 @@ class Coordinator:
         room = r.invite_cap - len(r.invited)
         if room <= 0:
             return []
-        chosen = select(self._eligible() - r.invited, room, seed=self.config.selection_seed, round_=r.number)
+        chosen = select(self._eligible() - r.invited, room, seed=self.config.selection.selection_seed, round_=r.number)
         if not chosen:
             return []
         r.invited.update(chosen)
@@ -463,7 +456,7 @@ class Coordinator:
         self.model = {t.name: release.model[t.name].astype(t.dtype) for t in self.manifest.shared_tensors}
         aggregate_s = time.perf_counter() - started
         record = self._metrics(closed, now, aggregate_s)
-        last = closed.number >= self.config.rounds
+        last = closed.number >= self.config.rounds.rounds
         record.update(self.strategy.record(closed, last))  # a DP strategy then adapts its clip norm
         self.finished = last or self.strategy.stopped
         self.round = RoundRecord(closed.number if self.finished else closed.number + 1)
@@ -480,7 +473,7 @@ class Coordinator:
         log.info("round %d closed: %d participant(s), %d samples, accuracy %.4f ± %.4f, %.1f KiB received",
                  closed.number, record["participants"], record["n_samples"], record["accuracy_mean"] or 0.0,
                  record["accuracy_std"] or 0.0, record["bytes_received"] / 1024)
-        self._opened_at, self._deadline, self._broadcast_s = now, now + self.config.round_timeout, 0.0
+        self._opened_at, self._deadline, self._broadcast_s = now, now + self.config.rounds.round_timeout, 0.0
         self._model_blob = None
         stale = sorted(closed.invited - self.round.invited)  # retained invitations of the closed round
         cleared = [Outgoing(self.topics.invite(device), b"", retain=True) for device in stale]
@@ -535,7 +528,7 @@ class Coordinator:
         blob_id = self.blob_id
         if self._model_blob is None or self._model_blob[0] != blob_id:
             blob = encode_shared(self.manifest, self.model)
-            frames = chunk(blob, self.config.chunk_size, blob_id, {"round": self.round.number})
+            frames = chunk(blob, self.config.rounds.chunk_size, blob_id, {"round": self.round.number})
             # the digest its frames carry: the model is hashed once per round (by chunk), not per announcement
             self._model_blob = (blob_id, blob, frames, decode_chunk(frames[0]).sha256)
         out = []
@@ -550,7 +543,7 @@ class Coordinator:
     def _round_message(self) -> Outgoing:
         blob_id, blob, frames, digest = self._model_blob or (None, b"", [], hashlib.sha256(b"").hexdigest())
         info = RoundInfo(
-            round=self.round.number, rounds=self.config.rounds, state="finished" if self.finished else "open",
+            round=self.round.number, rounds=self.config.rounds.rounds, state="finished" if self.finished else "open",
             deadline=self._deadline, blob_id=str(blob_id), size=len(blob), sha256=digest,
             count=len(frames), base_digest=self.digest,
             **({"selection": "invited", "next_selection_at": self._deadline} if self.round.selected else {}),
@@ -569,10 +562,10 @@ class Coordinator:
     def state(self, now: float) -> dict[str, Any]:
         return {
             "v": 1, "status": "finished" if self.finished else "online", "round": self.round.number,
-            "rounds": self.config.rounds, "deadline": self._deadline, "registered": len(self.registered),
+            "rounds": self.config.rounds.rounds, "deadline": self._deadline, "registered": len(self.registered),
             "online": len(self.online), "accepted_this_round": len(self.round.folded),
-            "min_clients": self.config.min_clients, "counters": dict(self.counters), "time": now,
-            **({"invited": len(self.round.invited), "clients_per_round": self.config.clients_per_round}
+            "min_clients": self.config.rounds.min_clients, "counters": dict(self.counters), "time": now,
+            **({"invited": len(self.round.invited), "clients_per_round": self.config.selection.clients_per_round}
                if self.selecting else {}),
             **self.strategy.state_fields(),
         }

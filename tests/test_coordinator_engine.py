@@ -23,7 +23,7 @@ TOPICS = Topics("lab")
 
 def make(tmp_path: Path, **config) -> Coordinator:  # type: ignore[no-untyped-def]
     settings = {"rounds": 2, "min_clients": 2, "round_timeout": 10.0, "chunk_size": 50, **config}
-    return Coordinator(MANIFEST, tiny_tensors(), TOPICS, Config(**settings), Store(tmp_path))
+    return Coordinator(MANIFEST, tiny_tensors(), TOPICS, Config.of(**settings), Store(tmp_path))
 
 
 def register(c: Coordinator, device: str, n: int, digest: str = MANIFEST.base_digest) -> list:
@@ -311,7 +311,7 @@ def test_restart_after_the_last_round_only_reannounces_and_other_exports_are_ref
 
     other = replace(MANIFEST, tensors=MANIFEST.tensors[1:])
     with pytest.raises(ValueError, match="another export"):
-        Coordinator(other, {"stem.bias": tiny_tensors()["stem.bias"]}, TOPICS, Config(1, 1, 1.0), Store(tmp_path))
+        Coordinator(other, {"stem.bias": tiny_tensors()["stem.bias"]}, TOPICS, Config.of(rounds=1), Store(tmp_path))
 
 
 def test_arbitrary_messages_never_raise_or_change_the_model(tmp_path: Path) -> None:
@@ -631,3 +631,10 @@ def test_a_state_json_of_a_newer_version_is_refused_with_the_reason(tmp_path: Pa
     state_path.write_text(json.dumps({**json.loads(state_path.read_text()), "version": 3}))
     with pytest.raises(ValueError, match="version 3, newer than this coordinator's 2"):
         make(tmp_path)
+
+
+def test_the_settings_name_exactly_the_aggregation_rules_there_are() -> None:
+    from fedper.coordinator.config import AGGREGATOR_NAMES
+    from fedper.coordinator.strategies.mean import AGGREGATORS
+
+    assert tuple(AGGREGATORS) == AGGREGATOR_NAMES

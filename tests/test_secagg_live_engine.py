@@ -41,7 +41,7 @@ class Fleet:
         self.manifest, self.model, self.chunk_size = manifest, tensors(-1), chunk_size
         settings = {"rounds": 1, "min_clients": 2, "round_timeout": 100.0, "secure_aggregation": True,
                     "clip_norm": CLIP, "secagg_stage_timeout": 5.0, **config}
-        self.coordinator = Coordinator(manifest, self.model, TOPICS, Config(**settings), Store(tmp_path))
+        self.coordinator = Coordinator(manifest, self.model, TOPICS, Config.of(**settings), Store(tmp_path))
         self.now = 1000.0
         self.names = [f"d{j}" for j in range(devices)]
         self.n = {name: 10 * (j + 1) for j, name in enumerate(self.names)}

@@ -69,7 +69,7 @@ def shifted(delta: float) -> dict[str, np.ndarray]:
 def make(state: Path, manifest: Manifest = MANIFEST, initial: dict[str, np.ndarray] | None = None,
          **config: Any) -> Coordinator:
     settings_ = {"rounds": 2, "min_clients": 1, "round_timeout": 1e6, "chunk_size": 4096, **config}
-    c = Coordinator(manifest, initial or tiny_tensors(), Topics(FLEET), Config(**settings_), Store(state))
+    c = Coordinator(manifest, initial or tiny_tensors(), Topics(FLEET), Config.of(**settings_), Store(state))
     c.start(0.0)
     return c
 
@@ -208,7 +208,7 @@ def test_a_claimed_sample_count_cannot_outweigh_the_fleet(tmp_path: Path) -> Non
 
 def test_the_default_cap_is_documented_and_admits_it(tmp_path: Path) -> None:
     c = make(tmp_path)
-    assert c.config.max_samples_per_device == DEFAULT_MAX_SAMPLES_PER_DEVICE == 1_000_000
+    assert c.config.quotas.max_samples_per_device == DEFAULT_MAX_SAMPLES_PER_DEVICE == 1_000_000
     assert answers(send(c, "register", "big", [registration(1_000_000)]), "big") == []
     assert answers(send(c, "register", "bigger", [registration(1_000_001)]), "bigger") == ["too_many_samples"]
     doc = (Path(__file__).parents[1] / "docs" / "protocol.md").read_text()
