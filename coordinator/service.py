@@ -1,12 +1,9 @@
 """The paho I/O around the Coordinator state machine: subscribe, feed, publish. Nothing else.
 
-The receive loop is the kernel's (fedper.mqtt.Session): paho's network thread only queues
-incoming messages, and this thread owns the Coordinator, so it needs no locks. The exception is
-the per-device rate limit (Coordinator.admit, thread-safe): paho's network thread applies it to
-each message as it arrives and acknowledges what it drops right there, so a device's flood is
-never queued here nor waits for this thread (the engine counts the drops at its next tick).
-Admitted QoS 1 messages are acknowledged after they were handled (and an accepted update
-checkpointed): a kill before that makes the broker redeliver them.
+One thread owns the engine, so it needs no locks; only the per-device rate limit (Coordinator.admit)
+runs in paho's network thread, so a flood is dropped before it is queued. A QoS 1 message is
+acknowledged after it was handled (an accepted update after its checkpoint), so a kill before that
+makes the broker redeliver it (docs/reliability.md).
 """
 
 from __future__ import annotations
