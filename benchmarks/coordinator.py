@@ -30,8 +30,9 @@ import numpy as np
 from common import main, median, table, write_json
 
 from fedper.aggregation import WeightedMean
-from fedper.coordinator.engine import PARTIAL_EVERY, Config, Coordinator
+from fedper.coordinator.engine import Config, Coordinator
 from fedper.coordinator.store import Store
+from fedper.coordinator.strategies.mean import PARTIAL_EVERY
 from fedper.manifest import Manifest
 from fedper.models import build_model, describe, exported_state
 from fedper.payload import decode_shared, encode_shared, max_blob_size
@@ -112,8 +113,8 @@ def feed_engine(manifest: Manifest, base: dict[str, np.ndarray], frames: list[by
     each update's first chunk to its fold being checkpointed, and the tracemalloc peak (bytes) of
     the whole path when `trace_memory`."""
     with tempfile.TemporaryDirectory() as tmp:
-        coordinator = Coordinator(manifest, base, TOPICS, Config(rounds=1, min_clients=devices + 1, round_timeout=1e6),
-                                  Store(tmp))
+        config = Config.of(rounds=1, min_clients=devices + 1, round_timeout=1e6)
+        coordinator = Coordinator(manifest, base, TOPICS, config, Store(tmp))
         coordinator.start(0.0)
         if trace_memory:
             tracemalloc.start()

@@ -111,8 +111,8 @@ def measure(width: float, devices: int, rounds: int) -> tuple[list[dict[str, Any
         broker.start()
         try:
             state_dir = Path(tmp) / "state"
-            coordinator = Coordinator(manifest, initial, TOPICS,
-                                      Config(rounds=rounds, min_clients=devices, round_timeout=300.0), Store(state_dir))
+            config = Config.of(rounds=rounds, min_clients=devices, round_timeout=300.0)
+            coordinator = Coordinator(manifest, initial, TOPICS, config, Store(state_dir))
             fleet = [Device(broker.url, f"d{i:02d}", manifest) for i in range(devices)]
             while sum(1 for d in fleet if d.client.is_connected()) < devices:
                 time.sleep(0.05)

@@ -95,7 +95,7 @@ def fleet(devices: int, length: int, seed: int) -> tuple[Manifest, dict[str, np.
 
 def start(manifest: Manifest, model: dict[str, np.ndarray], state: Path, names: list[str], secure: bool,
           traffic: Traffic) -> tuple[Coordinator, list[Outgoing]]:
-    config = Config(rounds=1, min_clients=2, round_timeout=3600.0, secure_aggregation=secure,
+    config = Config.of(rounds=1, min_clients=2, round_timeout=3600.0, secure_aggregation=secure,
                     clip_norm=CLIP if secure else None, max_messages_per_second=1e9)
     coordinator = Coordinator(manifest, model, TOPICS, config, Store(state))
     announced = coordinator.start(time.time())

@@ -1,12 +1,9 @@
-"""Prometheus metrics of the coordinator (`fedper-coordinator --metrics-port`), from a private registry.
+"""Prometheus metrics of the coordinator (`fedper-coordinator --metrics-port`, docs/operations.md).
 
-The engine stays free of I/O and of this library: after each loop iteration the service's on_tick
-hook calls `observe(coordinator)` in the loop's own thread, which copies the engine's public state
-into an immutable snapshot. The HTTP server's thread only reads the latest snapshot, so a scrape
-never walks a dict that the loop is changing, and a scrape costs the loop nothing. A closed round's
-figures (its seconds, bytes and accuracy) come from the record the engine appends to metrics.jsonl,
-read once per closed round. Each instance has its own registry: tests run several coordinators in
-one process.
+The engine stays free of I/O and of this library: the service's loop copies the engine's public state
+into an immutable snapshot after each iteration, and the HTTP thread only reads the latest one, so a
+scrape never walks a dict the loop is changing; a closed round's figures come from its metrics.jsonl
+record. Each instance has its own registry (tests run several).
 """
 
 from __future__ import annotations
@@ -95,10 +92,10 @@ class CoordinatorMetrics:
             invited=coordinator.invited_count,
             accepted_devices=len(coordinator.round.folded),
             round=coordinator.round.number,
-            rounds_planned=coordinator.config.rounds,
+            rounds_planned=coordinator.config.rounds.rounds,
             rounds_closed=closed,
             finished=coordinator.finished,
-            min_clients=coordinator.config.min_clients,
+            min_clients=coordinator.config.rounds.min_clients,
             accepted_total=counters["accepted"],
             refusals={code: n for code, n in counters.items() if code != "accepted"},
             received_bytes=self._closed_bytes + coordinator.round.bytes_received,

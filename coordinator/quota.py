@@ -1,12 +1,8 @@
 """Per-device message rate limit: a token bucket per device, so one device's flood is its own problem.
 
-The caller passes `now`. A dropped message costs a lock, a dict lookup and some arithmetic, before
-any decoding; the drops are reported (logged and answered) at most once per REPORT_EVERY_S per
-device, so a flood cannot turn into a flood of log lines or error messages.
-
-Thread-safe, and the one part of the coordinator that is: its service calls `admit` from paho's
-network thread, so a flood is dropped as it arrives and never queued, while the engine's thread
-counts the drops (`take_dropped`) and reports them. One lock guards all of it.
+The one thread-safe part of the coordinator: the service calls `admit` from paho's network thread, so
+a flood is dropped as it arrives, and the engine counts and reports the drops (at most once per
+REPORT_EVERY_S per device, so a flood cannot become a flood of log lines). docs/reliability.md.
 """
 
 from __future__ import annotations

@@ -1,37 +1,10 @@
-"""Secure aggregation at the coordinator (`--secure-aggregation`): one SecAgg+ session of the open round over MQTT.
+"""Secure aggregation at the coordinator (`--secure-aggregation`): one SecAgg+ session over MQTT.
 
-The kernel (fedper.secagg) does the cryptography; this module runs its server's stages on messages that
-arrive one at a time from untrusted devices, with a deadline per stage, and says what to relay to whom.
-A session (docs/protocol.md, 6.9):
-
-1. advertise: each device taking part in the round, once it has trained, publishes two public keys on
-   `secagg/<device>` for the session that RoundInfo names. The coordinator (engine) closes the stage when
-   every expected device advertised or at the round's deadline with a quorum; the advertisers, sorted by
-   name, become indices 0..n-1 and the session's SecAggConfig is made (graph, threshold, quantization).
-2. neighbours and shares: each device gets its setup and its neighbours' keys on `relay/<device>` and
-   answers with its encrypted Shamir shares, which the coordinator relays to their receivers.
-3. masked input: each device sends its masked, quantized, weighted delta as the chunked update blob
-   (codec `secagg`, one U32 tensor) on `update/<device>`.
-4. unmask: each contributor is asked for its neighbours' shares (self-mask seeds of contributors, mask keys
-   of devices that dropped after stage 2); the kernel removes the masks and the coordinator gets the sum.
-
-Stages 2-4 close when every device expected in them answered or after `stage_timeout`; a device missing
-from a stage has dropped out (the kernel recovers it). Each message is checked on its own as it arrives
-(fields by fedper.wire, protocol by the kernel server's check_* methods): a bad one is refused with the
-`secagg` error code and never costs another device its place. A session that cannot finish (too few
-devices, too many dropouts, a reconstruction that fails) ends `failed`; the engine opens a new session in
-the same round, so the devices advertise fresh keys.
-
-Weights: device j sends (n_j / s) * clip(delta_j) with s = `weight_scale`, the largest registered n_j
-among the advertisers, so every value stays in the quantization range [-C, C]; the coordinator divides
-the sum by sum(n_j / s) over the contributors, their registered n_j: the n_j-weighted mean of the deltas.
-
-Distributed DP (with a noise multiplier z): DP-FedAvg's rule without a trusted aggregator. Each device
-clips its delta of the trainable tensors to C, weights it 1, and adds Gaussian noise of std z * C / sqrt(m)
-to each value, m the devices the round expects; the quantization range widens to C + 6 of those stds. The
-coordinator divides the sum by m; the other shared tensors (BatchNorm statistics) stay the round model's.
-The sum carries noise of std z * C * sqrt(c / m) for c contributors: the accountant records that effective
-multiplier, below z when devices dropped out.
+The kernel (fedper.secagg) does the cryptography; this module runs its server's four stages on messages
+that arrive one at a time from untrusted devices, each stage with a deadline, checking every message on
+its own so that a bad one is refused (`secagg`) without costing another device its place. The strategy
+that drives it is coordinator/strategies/secure.py. Stages, weights and distributed DP: docs/privacy.md
+("Secure aggregation"); messages: docs/protocol.md, 6.9.
 """
 
 from __future__ import annotations

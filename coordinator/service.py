@@ -1,12 +1,9 @@
 """The paho I/O around the Coordinator state machine: subscribe, feed, publish. Nothing else.
 
-The receive loop is the kernel's (fedper.mqtt.Session): paho's network thread only queues
-incoming messages, and this thread owns the Coordinator, so it needs no locks. The exception is
-the per-device rate limit (Coordinator.admit, thread-safe): paho's network thread applies it to
-each message as it arrives and acknowledges what it drops right there, so a device's flood is
-never queued here nor waits for this thread (the engine counts the drops at its next tick).
-Admitted QoS 1 messages are acknowledged after they were handled (and an accepted update
-checkpointed): a kill before that makes the broker redeliver them.
+One thread owns the engine, so it needs no locks; only the per-device rate limit (Coordinator.admit)
+runs in paho's network thread, so a flood is dropped before it is queued. A QoS 1 message is
+acknowledged after it was handled (an accepted update after its checkpoint), so a kill before that
+makes the broker redeliver it (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ import paho.mqtt.client as mqtt
 
 from fedper.coordinator.engine import Coordinator
 from fedper.mqtt import BrokerUrl, Connected, Session, make_client
-from fedper.wire import DEVICE_KINDS, Outgoing
+from fedper.wire import Outgoing
 
 log = logging.getLogger("fedper.coordinator")
 PUBLISH_WAIT_S = 60.0
@@ -46,8 +43,7 @@ def run_service(
     client = make_client(f"fedper-coordinator-{topics.fleet}", protocol=protocol, username=username,
                          password=password, tls=broker.tls, tls_ca=tls_ca, will=(topics.state, offline),
                          manual_ack=True)
-    kinds = DEVICE_KINDS if coordinator.config.secure_aggregation else ("register", "presence", "update")
-    subscriptions = [(f"{topics.base}/{kind}/+", 1) for kind in kinds]
+    subscriptions = [(f"{topics.base}/{kind}/+", 1) for kind in coordinator.strategy.kinds]
     started = False
     try:
         with Session(client, broker, subscriptions, log=log.warning,

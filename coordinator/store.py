@@ -1,11 +1,8 @@
-"""The coordinator's state directory: atomic files, and state.json as the single commit point.
+"""The coordinator's state directory: atomic files, and state.json (`CoordinatorState`) as the one commit point.
 
-Every file is written by fedper.checkpoint (temporary name, fsync, os.replace, fsync of the
-directory). Tensor files (safetensors) and the registry (registry-<content hash>.json) get a new
-name per version and state.json, written last, says which ones are current, so a kill at any
-instant leaves either the old or the new checkpoint whole. The registry (every registered device)
-has its own file so that state.json, committed per accepted update, grows with the round and not
-with the fleet.
+Tensor and registry files get a new name per version and state.json, written last, names the current
+ones, so a kill at any instant leaves the old or the new checkpoint whole; the registry has its own
+file so that a commit grows with the round, not the fleet (docs/reliability.md, "State directory").
 """
 
 from __future__ import annotations
@@ -13,8 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,93 @@ STATE_FILE = "state.json"
 METRICS_FILE = "metrics.jsonl"
 FINAL_FILE = "final.safetensors"
 REGISTRY_PREFIX = "registry-"
+STATE_VERSION = 2  # 2: the strategy's part under "strategy"; earlier files (no "version") are migrated on reading
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What a device said about itself: its n_j (which each of its updates must repeat) and its software."""
+
+    n_samples: int
+    software: str
+
+
+@dataclass(frozen=True)
+class Folded:
+    """An update folded into the open round's aggregate: the weight it was folded with and its metrics."""
+
+    n_samples: int
+    metrics: dict[str, float]
+
+
+@dataclass
+class RoundRecord:
+    """What a restart must not lose about the open round."""
+
+    number: int
+    folded: dict[str, Folded] = field(default_factory=dict)  # by device
+    bytes_received: int = 0
+    extensions: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+    selected: bool = False  # with --clients-per-round: its opening selection is made (and checkpointed)
+    invited: set[str] = field(default_factory=set)  # the devices it invited, the opening selection and top-ups
+    invite_cap: int = 0  # invitations it may make: ceil(F * M), raised at an extension to replace dropouts
+    seed: int = 0  # the seed its selection was ranked with (recorded, not read back: a restart keeps `invited`)
+
+    def to_json(self) -> dict[str, Any]:
+        selection = {"selection": {"seed": self.seed, "invite_cap": self.invite_cap,
+                                   "invited": sorted(self.invited)}} if self.selected else {}
+        return {"number": self.number, "folded": {d: asdict(f) for d, f in self.folded.items()},
+                "bytes_received": self.bytes_received, "extensions": self.extensions,
+                "rejected": dict(self.rejected), **selection}
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> RoundRecord:
+        record = cls(body["number"], {d: Folded(**f) for d, f in body["folded"].items()}, body["bytes_received"],
+                     body["extensions"], Counter(body["rejected"]))
+        if "selection" in body:
+            selection = body["selection"]
+            record.selected, record.invite_cap = True, selection["invite_cap"]
+            record.invited, record.seed = set(selection["invited"]), selection["seed"]
+        return record
+
+
+@dataclass
+class CoordinatorState:
+    """Everything a restart resumes from, each aggregation strategy's part included (its `checkpoint()`)."""
+
+    base_digest: str  # of the export the run serves: another export's state is refused
+    model: str  # the open round's model file
+    round: RoundRecord
+    counters: dict[str, int]
+    finished: bool
+    registry: str | None  # the registry file; None: nobody registered
+    strategy: dict[str, Any]  # the strategy's own part (coordinator/strategies/base.py)
+    inline_registry: dict[str, Any] | None = None  # a version-0 file's registrations, to be moved into a file
+    version: int = STATE_VERSION
+
+    def write(self, store: Store) -> None:
+        """Commit: state.json names exactly the files that stay."""
+        store.commit({"version": self.version, "base_digest": self.base_digest, "model": self.model,
+                      "round": self.round.to_json(), "counters": dict(self.counters), "finished": self.finished,
+                      "registry": self.registry, "strategy": self.strategy})
+
+    @classmethod
+    def read(cls, store: Store) -> CoordinatorState | None:
+        """The committed state, migrated from an earlier layout; None in a fresh state directory."""
+        body = store.load_state()
+        if body is None:
+            return None
+        version = body.get("version", 0 if "registry" not in body else 1)
+        if version > STATE_VERSION:
+            raise ValueError(f"{store.dir / STATE_FILE} is version {version}, newer than this coordinator's "
+                             f"{STATE_VERSION}: run the release that wrote it")
+        if version < 2:  # version 0 and 1 kept the strategy's part at the top level, DP's under "dp"
+            body = {**body, "strategy": {"privacy": body.get("dp"), "partial": body.get("partial"),
+                                         "updates": body.get("updates", {})}}
+        return cls(body.get("base_digest", ""), body["model"], RoundRecord.from_json(body["round"]),
+                   dict(body["counters"]), body["finished"], body.get("registry"), body["strategy"],
+                   inline_registry=body["registered"] if version == 0 else None)
 
 
 class CheckpointError(RuntimeError):
@@ -71,11 +157,15 @@ class Store:
         return path.name
 
     def load_registry(self, state: Mapping[str, Any]) -> dict[str, Any]:
-        """The registered devices of a committed `state`: the registry file it names (None: nobody), or,
-        in a state.json written before the registry had a file of its own, its inline `registered`."""
+        """The registered devices of a committed `state` (as JSON): the registry file it names (None: nobody),
+        or, in a state.json written before the registry had a file of its own, its inline `registered`."""
         if "registry" not in state:
             return dict(state["registered"])
-        return checkpoint.read_json(self.dir / state["registry"]) if state["registry"] else {}
+        return self.read_registry(state["registry"])
+
+    def read_registry(self, name: str | None) -> dict[str, Any]:
+        """The registry file `name` (None: nobody registered)."""
+        return checkpoint.read_json(self.dir / name) if name else {}
 
     def write_tensors(self, name: str, tensors: Mapping[str, np.ndarray]) -> str:
         path = self.dir / name

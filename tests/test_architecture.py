@@ -5,7 +5,9 @@ with `ast` (nothing is imported, so lazy imports inside functions and TYPE_CHECK
 - `fedper.models` imports only the kernel;
 - `fedper.export` and `fedper.emulate` import only the kernel and `fedper.models`;
 - `fedper.edge` and `fedper.coordinator` import only the kernel, never each other;
-- only the umbrella CLI `fedper.cli` (folder cli/) may import every role.
+- only the umbrella CLI `fedper.cli` (folder cli/) may import every role;
+- within the coordinator, an aggregation strategy (coordinator/strategies/) imports neither the engine
+  nor the service (nor the CLI that runs them): it sees the engine only through `strategies.base.Fleet`.
 
 Folders map to packages through pyproject.toml's [tool.setuptools.package-dir].
 """
@@ -37,6 +39,11 @@ ALLOWED = {
 # docs/architecture.md: the agent's optional PyTorch backend builds the network from the manifest
 # with fedper.models, lazily, so that a device training with ORT never loads it.
 EXCEPTIONS = {("fedper.edge.torch_backend", "fedper.models")}
+# Inside a layer: modules under a package may not import these modules of the same layer.
+FORBIDDEN = {
+    "fedper.coordinator.strategies": ("fedper.coordinator.engine", "fedper.coordinator.service",
+                                      "fedper.coordinator.cli"),
+}
 
 
 def layer(module: str) -> str | None:
@@ -86,12 +93,25 @@ def imported_names(module: str, path: Path) -> list[tuple[str, int]]:
     return names
 
 
+def within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def forbidden(module: str, name: str) -> bool:
+    """Whether `name` is a module (or lies in one) that `module`'s package may not import (FORBIDDEN)."""
+    return any(within(module, package) and any(within(name, target) for target in targets)
+               for package, targets in FORBIDDEN.items())
+
+
 def violations(root: Path, exceptions: Set[tuple[str, str]] = frozenset()) -> list[str]:
     """One line per import that breaks a rule: file:line, the importing module and what it imports."""
     broken = []
     for module, path in modules(root).items():
         own = layer(module)
         for name, line in imported_names(module, path):
+            if forbidden(module, name):
+                broken.append(f"{path.relative_to(root)}:{line}: {module} imports {name}, which it may not")
+                continue
             target = layer(name)
             if target is None or target in ALLOWED[own] or (module, target) in exceptions:
                 continue
@@ -144,6 +164,15 @@ PYPROJECT = """
          "edge/x.py:2: fedper.edge.x (fedper.edge) imports fedper.coordinator.engine.Coordinator"),
         ("coordinator/x.py", "from ..edge import service\n", "imports fedper.edge.service (fedper.edge)"),
         ("coordinator/sub/__init__.py", "from ...models import split\n", "imports fedper.models.split"),
+        ("coordinator/strategies/x.py", "from fedper.coordinator.engine import Coordinator\n",
+         "fedper.coordinator.strategies.x imports fedper.coordinator.engine.Coordinator, which it may not"),
+        ("coordinator/strategies/x.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+         "    from ..service import run_service\n", "imports fedper.coordinator.service.run_service"),
+        ("coordinator/strategies/x.py", "def f():\n    import fedper.coordinator.cli\n",
+         "imports fedper.coordinator.cli"),
+        ("coordinator/strategies/x.py", "from fedper.coordinator.store import Store\nfrom .base import Strategy\n",
+         None),
+        ("coordinator/engines.py", "from fedper.coordinator.engine import Coordinator\n", None),
         ("edge/x.py", "import numpy\nfrom fedper.manifest import Manifest\nfrom . import state\n", None),
         ("export/x.py", "from fedper.models import build_model\nfrom .graph import rewrite\n", None),
         ("emulate/x.py", "from fedper.models.split import split\nfrom fedper.data import load_digits\n", None),
@@ -171,3 +200,8 @@ def test_checker_finds_a_broken_rule_in_a_copy_of_the_tree(tmp_path: Path) -> No
     edge_cli.write_text(edge_cli.read_text() + "\nfrom fedper.coordinator.engine import Coordinator\n")
     (found,) = violations(tmp_path, EXCEPTIONS)
     assert found.startswith("edge/cli.py:") and "imports fedper.coordinator.engine.Coordinator" in found
+    edge_cli.write_text(edge_cli.read_text().rpartition("\nfrom fedper.coordinator")[0])
+    mean = tmp_path / "coordinator" / "strategies" / "mean.py"
+    mean.write_text(mean.read_text() + "\nfrom fedper.coordinator.service import run_service\n")
+    (found,) = violations(tmp_path, EXCEPTIONS)
+    assert found.startswith("coordinator/strategies/mean.py:") and "fedper.coordinator.service.run_service" in found

@@ -20,11 +20,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers.legacy_state import rewrite_as_earlier
 from helpers.processes import run_fleet
 from safetensors.numpy import load_file
 
-from fedper.coordinator.engine import PARTIAL_EVERY, Config, Coordinator
+from fedper.coordinator.engine import Config, Coordinator
 from fedper.coordinator.store import FINAL_FILE, METRICS_FILE, Store
+from fedper.coordinator.strategies.mean import PARTIAL_EVERY
 from fedper.manifest import Manifest, ModelInfo, TensorSpec
 from fedper.privacy import PrivacyAccountant
 from fedper.wire import Topics
@@ -87,7 +89,7 @@ def chunks(blob: bytes, meta: dict[str, Any], chunk_size: int = 4096) -> list[by
 def make(state: Path, **config: Any) -> Coordinator:
     settings = {"rounds": 3, "min_clients": 1, "round_timeout": 1e6, "chunk_size": 4096, "clip_norm": 0.5,
                 "dp_noise_multiplier": 1.0, **config}
-    c = Coordinator(MANIFEST, initial(), Topics(FLEET), Config(**settings), Store(state))
+    c = Coordinator(MANIFEST, initial(), Topics(FLEET), Config.of(**settings), Store(state))
     c.start(0.0)
     return c
 
@@ -242,8 +244,8 @@ def test_a_budget_that_one_round_exceeds_is_refused_at_start(tmp_path: Path) -> 
     ({"clip_norm": None}, "needs --clip-norm"),
     ({"aggregator": "median"}, "cannot be combined"),
     ({"dp_noise_multiplier": None, "dp_target_epsilon": 1.0}, "need --dp-noise-multiplier"),
-    ({"dp_noise_multiplier": None, "dp_adaptive_quantile": 0.5}, "need --dp-noise-multiplier"),
-    ({"dp_adaptive_quantile": 1.5}, "target_quantile"),
+    ({"dp_noise_multiplier": None, "dp_adaptive_clipping": 0.5}, "need --dp-noise-multiplier"),
+    ({"dp_adaptive_clipping": 1.5}, "target_quantile"),
     ({"dp_budget_action": "ignore"}, "stop or warn"),
 ])
 def test_inconsistent_dp_settings_are_refused(tmp_path: Path, config: dict[str, Any], message: str) -> None:
@@ -279,13 +281,15 @@ def test_a_state_directory_is_resumed_only_in_its_own_mode(tmp_path: Path) -> No
         make(tmp_path / "plain")
 
 
-@pytest.mark.parametrize("adaptive", [None, 0.5])
-def test_a_restart_between_updates_releases_the_same_models_bit_for_bit(tmp_path: Path, adaptive: float | None) -> None:
+@pytest.mark.parametrize(("adaptive", "earlier"), [(None, False), (0.5, False), (0.5, True)])
+def test_a_restart_between_updates_releases_the_same_models_bit_for_bit(tmp_path: Path, adaptive: float | None,
+                                                                        earlier: bool) -> None:
     """Two copies of one state directory (one secret): one run unbroken, the other restarted after updates 3
     and 9 (past the partial checkpoint of the float64 sums at 8) and between rounds; with adaptive clipping
-    the clip norm it moved to is resumed too."""
+    the clip norm it moved to is resumed too; `earlier`: each restart from state.json as the release before
+    the versioned record wrote it."""
     devices = [f"d{i:02d}" for i in range(PARTIAL_EVERY + 3)]
-    settings = {"rounds": 3, "dp_adaptive_quantile": adaptive}
+    settings = {"rounds": 3, "dp_adaptive_clipping": adaptive}
     unbroken = make(tmp_path / "a", **settings)
     register(unbroken, devices)
     shutil.copytree(tmp_path / "a", tmp_path / "b")
@@ -296,9 +300,13 @@ def test_a_restart_between_updates_releases_the_same_models_bit_for_bit(tmp_path
             update(unbroken, device, moved(unbroken, 0.1 + i / 10, seed=i))
             update(restarted, device, moved(restarted, 0.1 + i / 10, seed=i))
             if i in (2, PARTIAL_EVERY):
+                if earlier:
+                    rewrite_as_earlier(tmp_path / "b")
                 restarted = make(tmp_path / "b", **settings)
         close(unbroken)
         close(restarted)
+        if earlier:
+            rewrite_as_earlier(tmp_path / "b")
         restarted = make(tmp_path / "b", **settings)
     assert unbroken.finished and restarted.finished
     a, b = load_file(str(tmp_path / "a" / FINAL_FILE)), load_file(str(tmp_path / "b" / FINAL_FILE))
@@ -316,7 +324,7 @@ def test_adaptive_clipping_moves_the_clip_norm_toward_the_quantile_and_splits_th
     """Updates all within C (b = 1 > 0.5) shrink it, all beyond it (b = 0) grow it, by exp(-0.2 (b - 0.5))
     up to the count's noise; the model's noise is z_update * C / m with the paper's split of z."""
     devices = [f"d{i:02d}" for i in range(40)]
-    c = make(tmp_path, rounds=2, clip_norm=1.0, dp_noise_multiplier=1.0, dp_adaptive_quantile=0.5)
+    c = make(tmp_path, rounds=2, clip_norm=1.0, dp_noise_multiplier=1.0, dp_adaptive_clipping=0.5)
     register(c, devices)
     for i, device in enumerate(devices):
         update(c, device, moved(c, delta, seed=i))

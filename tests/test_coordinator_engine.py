@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers.frames import chunks, safetensors
+from helpers.legacy_state import earlier_layout, rewrite_as_earlier
 from safetensors.numpy import load_file
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
@@ -22,7 +23,7 @@ TOPICS = Topics("lab")
 
 def make(tmp_path: Path, **config) -> Coordinator:  # type: ignore[no-untyped-def]
     settings = {"rounds": 2, "min_clients": 2, "round_timeout": 10.0, "chunk_size": 50, **config}
-    return Coordinator(MANIFEST, tiny_tensors(), TOPICS, Config(**settings), Store(tmp_path))
+    return Coordinator(MANIFEST, tiny_tensors(), TOPICS, Config.of(**settings), Store(tmp_path))
 
 
 def register(c: Coordinator, device: str, n: int, digest: str = MANIFEST.base_digest) -> list:
@@ -169,11 +170,14 @@ def test_restart_keeps_accepted_updates_exactly_once(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model-r2.safetensors"]
 
 
-def test_restart_between_partial_checkpoints_folds_the_partial_and_the_blobs_after_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("earlier", [False, True])
+def test_restart_between_partial_checkpoints_folds_the_partial_and_the_blobs_after_it(tmp_path: Path,
+                                                                                    earlier: bool) -> None:
     """Updates are checkpointed as their blobs, and every PARTIAL_EVERY as the float64 running sum that
     replaces the blobs it covers: a kill between two partials loses and doubles nothing, and the
-    model is bit for bit what a run without the kill computes."""
-    from fedper.coordinator.engine import PARTIAL_EVERY
+    model is bit for bit what a run without the kill computes; also from state.json as the release before
+    the versioned record wrote it (`earlier`)."""
+    from fedper.coordinator.strategies.mean import PARTIAL_EVERY
 
     devices = [f"d{i}" for i in range(PARTIAL_EVERY + 3)]
     unbroken = make(tmp_path / "unbroken")
@@ -188,11 +192,14 @@ def test_restart_between_partial_checkpoints_folds_the_partial_and_the_blobs_aft
     assert files == ["model-r1.safetensors", f"partial-r1-{PARTIAL_EVERY}.safetensors",
                      *(f"update-r1-{d}.safetensors" for d in devices[PARTIAL_EVERY:-1])]
     del c  # killed: only the state directory survives
+    if earlier:
+        rewrite_as_earlier(tmp_path)
     c = make(tmp_path)
     c.start(50.0)
     assert set(c.round.folded) == set(devices[:-1])
     assert errors(send(c, devices[0], shifted(9.0), 10, now=51.0)) == ["duplicate_update"]
     send(c, devices[-1], shifted(float(len(devices) - 1)), 10 + len(devices) - 1, now=51.0)
+    assert json.loads((tmp_path / "state.json").read_text())["version"] == 2  # migrated by its first commit
     c.tick(52.0)
     send(unbroken, devices[-1], shifted(float(len(devices) - 1)), 10 + len(devices) - 1, now=51.0)
     unbroken.tick(52.0)
@@ -304,7 +311,7 @@ def test_restart_after_the_last_round_only_reannounces_and_other_exports_are_ref
 
     other = replace(MANIFEST, tensors=MANIFEST.tensors[1:])
     with pytest.raises(ValueError, match="another export"):
-        Coordinator(other, {"stem.bias": tiny_tensors()["stem.bias"]}, TOPICS, Config(1, 1, 1.0), Store(tmp_path))
+        Coordinator(other, {"stem.bias": tiny_tensors()["stem.bias"]}, TOPICS, Config.of(rounds=1), Store(tmp_path))
 
 
 def test_arbitrary_messages_never_raise_or_change_the_model(tmp_path: Path) -> None:
@@ -597,10 +604,8 @@ def test_a_state_json_with_the_registry_inline_is_migrated_at_start(tmp_path: Pa
     c.tick(0.0)
     send(c, "a", shifted(1.0), 10)
     state_path = tmp_path / "state.json"
-    old = json.loads(state_path.read_text())
     [registry] = registry_files(tmp_path)
-    old["registered"] = json.loads(registry.read_text())  # the layout of the earlier release, by hand
-    del old["registry"]
+    old = earlier_layout(json.loads(state_path.read_text()), json.loads(registry.read_text()))  # by hand
     registry.unlink()
     state_path.write_text(json.dumps(old))
 
@@ -617,3 +622,19 @@ def test_a_state_json_with_the_registry_inline_is_migrated_at_start(tmp_path: Pa
     for name, value in expected.items():
         np.testing.assert_allclose(c.model[name], value, rtol=1e-6)
     assert set(make(tmp_path).registered) == {"a", "b"}
+
+
+def test_a_state_json_of_a_newer_version_is_refused_with_the_reason(tmp_path: Path) -> None:
+    c = make(tmp_path)
+    c.start(0.0)
+    state_path = tmp_path / "state.json"
+    state_path.write_text(json.dumps({**json.loads(state_path.read_text()), "version": 3}))
+    with pytest.raises(ValueError, match="version 3, newer than this coordinator's 2"):
+        make(tmp_path)
+
+
+def test_the_settings_name_exactly_the_aggregation_rules_there_are() -> None:
+    from fedper.coordinator.config import AGGREGATOR_NAMES
+    from fedper.coordinator.strategies.mean import AGGREGATORS
+
+    assert tuple(AGGREGATORS) == AGGREGATOR_NAMES

@@ -136,7 +136,7 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
 def run_in_thread(url: str, state_dir: Path, manifest: Manifest, initial: dict[str, np.ndarray], *,
                   protocol: str = "5", **config) -> tuple[threading.Thread, Coordinator]:  # type: ignore[no-untyped-def]
     settings = {"rounds": 2, "min_clients": 2, "round_timeout": 5.0, "chunk_size": 500, **config}
-    coordinator = Coordinator(manifest, initial, TOPICS, Config(**settings), Store(state_dir))
+    coordinator = Coordinator(manifest, initial, TOPICS, Config.of(**settings), Store(state_dir))
     thread = threading.Thread(target=run_service, args=(coordinator, parse_broker_url(url)),
                               kwargs={"protocol": protocol}, daemon=True)
     thread.start()

@@ -59,7 +59,7 @@ def send_update(c: Coordinator, device: str, delta: float, n: int, accuracy: flo
 
 
 def test_scrape_after_a_round_reports_devices_rounds_refusals_bytes_and_accuracy(tmp_path: Path) -> None:
-    c = Coordinator(MANIFEST, tiny_tensors(), TOPICS, Config(rounds=3, min_clients=2, round_timeout=10.0),
+    c = Coordinator(MANIFEST, tiny_tensors(), TOPICS, Config.of(rounds=3, min_clients=2, round_timeout=10.0),
                     Store(tmp_path))
     metrics = CoordinatorMetrics()
     port = metrics.serve("127.0.0.1", 0)
@@ -109,7 +109,7 @@ def test_scrape_after_a_round_reports_devices_rounds_refusals_bytes_and_accuracy
 
 
 def test_invited_devices_is_the_rounds_invitation_when_selecting(tmp_path: Path) -> None:
-    config = Config(rounds=2, min_clients=1, round_timeout=10.0, clients_per_round=2, over_select=1.5)
+    config = Config.of(rounds=2, min_clients=1, round_timeout=10.0, clients_per_round=2, over_select=1.5)
     c = Coordinator(MANIFEST, tiny_tensors(), TOPICS, config, Store(tmp_path))
     metrics = CoordinatorMetrics()
     c.start(0.0)
@@ -123,7 +123,7 @@ def test_invited_devices_is_the_rounds_invitation_when_selecting(tmp_path: Path)
 
 
 def test_a_resumed_run_keeps_totals_and_counts_only_its_own_rounds_in_histograms(tmp_path: Path) -> None:
-    config = Config(rounds=3, min_clients=1, round_timeout=10.0)
+    config = Config.of(rounds=3, min_clients=1, round_timeout=10.0)
     first = Coordinator(MANIFEST, tiny_tensors(), TOPICS, config, Store(tmp_path))
     first.start(0.0)
     first.handle(TOPICS.register("a"), Register(10, MANIFEST.base_digest, "test/1").encode(), 0.1)
@@ -144,7 +144,7 @@ def test_a_resumed_run_keeps_totals_and_counts_only_its_own_rounds_in_histograms
 
 
 def test_two_coordinators_in_one_process_have_their_own_registries(tmp_path: Path) -> None:
-    coordinators = [Coordinator(MANIFEST, tiny_tensors(), TOPICS, Config(rounds=r, min_clients=1, round_timeout=5.0),
+    coordinators = [Coordinator(MANIFEST, tiny_tensors(), TOPICS, Config.of(rounds=r, min_clients=1, round_timeout=5.0),
                                 Store(tmp_path / str(r))) for r in (2, 7)]
     endpoints = [CoordinatorMetrics() for _ in coordinators]
     try:

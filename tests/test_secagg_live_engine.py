@@ -41,7 +41,7 @@ class Fleet:
         self.manifest, self.model, self.chunk_size = manifest, tensors(-1), chunk_size
         settings = {"rounds": 1, "min_clients": 2, "round_timeout": 100.0, "secure_aggregation": True,
                     "clip_norm": CLIP, "secagg_stage_timeout": 5.0, **config}
-        self.coordinator = Coordinator(manifest, self.model, TOPICS, Config(**settings), Store(tmp_path))
+        self.coordinator = Coordinator(manifest, self.model, TOPICS, Config.of(**settings), Store(tmp_path))
         self.now = 1000.0
         self.names = [f"d{j}" for j in range(devices)]
         self.n = {name: 10 * (j + 1) for j, name in enumerate(self.names)}
@@ -229,7 +229,7 @@ def test_a_session_with_too_many_silent_devices_is_replaced_and_the_next_one_clo
     for name in fleet.names[1:]:
         fleet.silent[name] = "unmask"
     fleet.pump(ticks=30)
-    assert not fleet.coordinator.finished and fleet.coordinator.secagg_failures == 1
+    assert not fleet.coordinator.finished and fleet.coordinator.strategy.failures == 1
     assert fleet.coordinator.state(fleet.now)["secagg"]["stage"] == "advertise"
     assert fleet.session() != first
     fleet.silent.clear()

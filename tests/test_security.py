@@ -52,7 +52,7 @@ def test_a_device_cannot_forge_registrations_presence_or_coordinator_messages(ac
     manifest, initial = tiny_manifest(), tiny_tensors()
     observer = Recorder(broker.host, broker.port, f"{TOPICS.base}/#", username="coordinator",
                         password=passwords["coordinator"])
-    coordinator = Coordinator(manifest, initial, TOPICS, Config(rounds=1, min_clients=2, round_timeout=20.0),
+    coordinator = Coordinator(manifest, initial, TOPICS, Config.of(rounds=1, min_clients=2, round_timeout=20.0),
                               Store(tmp_path / "state"))
     thread = threading.Thread(target=run_service, args=(coordinator, parse_broker_url(broker.url)),
                               kwargs={"username": "coordinator", "password": passwords["coordinator"]}, daemon=True)

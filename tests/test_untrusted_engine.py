@@ -27,7 +27,8 @@ from safetensors.numpy import load
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
 from fedper.aggregation import CoordinateMedian, TrimmedMean, WeightedMean
-from fedper.coordinator.engine import DEFAULT_MAX_SAMPLES_PER_DEVICE, Config, Coordinator
+from fedper.coordinator.config import DEFAULT_MAX_SAMPLES_PER_DEVICE
+from fedper.coordinator.engine import Config, Coordinator
 from fedper.coordinator.store import Store
 from fedper.manifest import Manifest
 from fedper.wire import (
@@ -68,7 +69,7 @@ def shifted(delta: float) -> dict[str, np.ndarray]:
 def make(state: Path, manifest: Manifest = MANIFEST, initial: dict[str, np.ndarray] | None = None,
          **config: Any) -> Coordinator:
     settings_ = {"rounds": 2, "min_clients": 1, "round_timeout": 1e6, "chunk_size": 4096, **config}
-    c = Coordinator(manifest, initial or tiny_tensors(), Topics(FLEET), Config(**settings_), Store(state))
+    c = Coordinator(manifest, initial or tiny_tensors(), Topics(FLEET), Config.of(**settings_), Store(state))
     c.start(0.0)
     return c
 
@@ -207,7 +208,7 @@ def test_a_claimed_sample_count_cannot_outweigh_the_fleet(tmp_path: Path) -> Non
 
 def test_the_default_cap_is_documented_and_admits_it(tmp_path: Path) -> None:
     c = make(tmp_path)
-    assert c.config.max_samples_per_device == DEFAULT_MAX_SAMPLES_PER_DEVICE == 1_000_000
+    assert c.config.quotas.max_samples_per_device == DEFAULT_MAX_SAMPLES_PER_DEVICE == 1_000_000
     assert answers(send(c, "register", "big", [registration(1_000_000)]), "big") == []
     assert answers(send(c, "register", "bigger", [registration(1_000_001)]), "bigger") == ["too_many_samples"]
     doc = (Path(__file__).parents[1] / "docs" / "protocol.md").read_text()
@@ -318,12 +319,12 @@ def test_an_internal_error_is_answered_and_logged_once_per_blob(tmp_path: Path,
     record holding the traceback; the service goes on and the device's next blob is folded."""
     c = make(tmp_path)
     send(c, "register", "d", [registration(10)])
-    prepared = c._prepared
+    prepared = c.strategy._prepared
 
     def bug(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         raise KeyError("a bug")
 
-    c._prepared = bug  # type: ignore[method-assign]
+    c.strategy._prepared = bug  # type: ignore[method-assign]
     frames = chunks(safetensors(shifted(1.0)), meta(10), "hit", chunk_size=16)
     with caplog.at_level(logging.WARNING, logger="fedper.coordinator"):
         out = send(c, "update", "d", frames + frames)  # the whole blob, then again: refused once
@@ -332,7 +333,7 @@ def test_an_internal_error_is_answered_and_logged_once_per_blob(tmp_path: Path,
     assert record.getMessage().startswith("rejected internal_error from d") and record.exc_info is not None
     assert c.counters["internal_error"] == 1 and json.loads(c.state_message(2.0).payload)["counters"][
         "internal_error"] == 1
-    c._prepared = prepared  # type: ignore[method-assign]
+    c.strategy._prepared = prepared  # type: ignore[method-assign]
     assert update(c, "d", shifted(1.0), 10, "next") == []
 
 

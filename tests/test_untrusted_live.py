@@ -102,7 +102,7 @@ def test_engine_drops_a_flood_early_answers_once_per_window_and_folds_every_hone
     logged and answered once per window), and what passed the rate displaced only the flooder's
     own partial blobs."""
     manifest, initial = tiny_manifest(), tiny_tensors()
-    config = Config(rounds=1, min_clients=3, round_timeout=60, max_messages_per_second=500)
+    config = Config.of(rounds=1, min_clients=3, round_timeout=60, max_messages_per_second=500)
     coordinator = Coordinator(manifest, initial, Topics("lab"), config, Store(tmp_path))
     coordinator.start(0.0)
     digest = manifest.base_digest
@@ -122,7 +122,7 @@ def test_engine_drops_a_flood_early_answers_once_per_window_and_folds_every_hone
     for n in range(50_000):
         f = frame(f"f{n}", n % 4096, 4096, 1, bytes(4096), flood_meta)
         answers += coordinator.handle("fedper/v1/lab/update/flooder", f, 0.2 + n * 20 / 50_000)
-    assert len(coordinator._reassembler) == 3 + config.max_uploads_per_device
+    assert len(coordinator._reassembler) == 3 + config.quotas.max_uploads_per_device
     for device, frames in honest.items():
         for f in frames[len(frames) // 2 :]:
             assert coordinator.handle(f"fedper/v1/lab/update/{device}", f, 20.5) == []
@@ -140,7 +140,7 @@ def test_engine_counts_what_admit_dropped_in_another_thread_at_its_next_tick(tmp
     flood there; the engine's thread counts every drop at its next tick and answers once, and a
     message admitted there is handled without spending a second token."""
     manifest, initial = tiny_manifest(), tiny_tensors()
-    config = Config(rounds=1, min_clients=1, round_timeout=60, max_messages_per_second=10)
+    config = Config.of(rounds=1, min_clients=1, round_timeout=60, max_messages_per_second=10)
     coordinator = Coordinator(manifest, initial, Topics("lab"), config, Store(tmp_path))
     coordinator.start(0.0)
     burst = coordinator._rate.burst

@@ -1,0 +1,206 @@
+"""The coordinator's settings, declared once: groups that validate themselves, read by the engine and the
+strategies, and turned into fedper-coordinator's options by coordinator/cli.py (docs/operations.md).
+
+A field's metadata (`option`) is its command-line option: help, bounds, and a flag when the option's name is
+not the field's (`--dp-noise-multiplier` for Privacy.noise_multiplier).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, ClassVar
+
+from fedper.privacy import DEFAULT_DELTA
+from fedper.wire import DEFAULT_CHUNK_SIZE, MAX_SECAGG_NEIGHBOURS
+
+DEFAULT_MAX_SAMPLES_PER_DEVICE = 1_000_000  # a registration claiming more is refused (too_many_samples)
+AGGREGATOR_NAMES = ("mean", "median", "trimmed-mean")  # coordinator/strategies/mean.py's rules
+
+
+def option(default: Any = MISSING, help: str = "", *, flag: str | None = None, min: float | None = None,
+           max: float | None = None, cli: bool = True, envvar: str | None = None, short: str | None = None) -> Any:
+    """A setting and its command-line option (`cli=False`: a setting for tests and embedders only)."""
+    metadata = {"help": help, "flag": flag, "min": min, "max": max, "cli": cli, "envvar": envvar, "short": short}
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class Group:
+    """A group of settings: one panel of --help."""
+
+    title: ClassVar[str]
+
+    @classmethod
+    def flag(cls, name: str) -> str:
+        """The option of field `name`, as a keyword (`dp_noise_multiplier`)."""
+        flag = next(f for f in fields(cls) if f.name == name).metadata.get("flag")
+        return (flag or f"--{name}").removeprefix("--").replace("-", "_")
+
+
+@dataclass(frozen=True)
+class Rounds(Group):
+    title = "Rounds"
+    rounds: int = option(help="Number of rounds to run.", min=1)
+    min_clients: int = option(1, "Updates a round needs before its deadline may close it.", min=1)
+    round_timeout: float = option(60.0, "Seconds a round waits for its devices.", min=0.1)
+    chunk_size: int = option(DEFAULT_CHUNK_SIZE, "Bytes of tensor data per MQTT message.", min=1)
+    state_interval: float = option(0.5, "At most one state message (and invitation top-up) per this many seconds.",
+                                   cli=False)
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1 or self.min_clients < 1:
+            raise ValueError("rounds and min_clients must be >= 1")
+
+
+@dataclass(frozen=True)
+class Selection(Group):
+    title = "Selection (docs/scaling.md)"
+    clients_per_round: int | None = option(
+        None, "M: a round closes at M accepted updates (or at its deadline with --min-clients) and takes updates "
+              "only from the devices it invited (default: every registered device).", min=1)
+    over_select: float = option(1.0, "F: invite ceil(F * M) online devices per round, to absorb dropouts (with "
+                                     "--clients-per-round).", min=1.0)
+    selection_seed: int = option(0, "Seed of the invitations' ranking (fedper/selection.py).", min=0)
+
+    def __post_init__(self) -> None:
+        if self.clients_per_round is None and self.over_select != 1.0:
+            raise ValueError("--over-select needs --clients-per-round: without it every registered device takes part")
+
+
+@dataclass(frozen=True)
+class Aggregation(Group):
+    title = "Aggregation"
+    aggregator: str = option("mean", "mean (n_j-weighted, streaming), median or trimmed-mean.")
+    clip_norm: float | None = option(None, "Clip each update's L2 distance to the model to this (with "
+                                           "--dp-noise-multiplier: DP's clip norm C, required).", min=0.0)
+
+    def __post_init__(self) -> None:
+        if self.aggregator not in AGGREGATOR_NAMES:
+            raise ValueError(f"--aggregator {self.aggregator!r}: choose one of {', '.join(AGGREGATOR_NAMES)}")
+
+
+@dataclass(frozen=True)
+class Privacy(Group):
+    title = "Differential privacy (docs/privacy.md)"
+    noise_multiplier: float | None = option(
+        None, "DP-FedAvg with Gaussian noise of std z * --clip-norm on the sum of the clipped updates (default: off).",
+        flag="--dp-noise-multiplier", min=0.0)
+    delta: float = option(DEFAULT_DELTA, "The delta epsilon is reported at (with --dp-noise-multiplier); keep it "
+                                         "below 1 / (registered devices).", flag="--dp-delta", min=0.0, max=1.0)
+    target_epsilon: float | None = option(
+        None, "Privacy budget: before each round, the epsilon it would bring is checked against this (default: no "
+              "budget, epsilon only reported).", flag="--dp-target-epsilon", min=0.0)
+    budget_action: str = option("stop", "stop (finish the run with the last model released within budget) or warn "
+                                        "(log and go on) at --dp-target-epsilon.", flag="--dp-budget-action")
+    adaptive_quantile: float | None = option(
+        None, "Adaptive clipping (Andrew et al. 2021): move the clip norm, starting at --clip-norm, toward this "
+              "quantile of the update norms (e.g. 0.5; default: a fixed clip norm).", flag="--dp-adaptive-clipping",
+        min=0.0, max=1.0)
+
+    def __post_init__(self) -> None:
+        z = self.noise_multiplier
+        if z is None:
+            if self.target_epsilon is not None or self.adaptive_quantile is not None:
+                raise ValueError("--dp-target-epsilon and --dp-adaptive-clipping need --dp-noise-multiplier")
+            return
+        if not (math.isfinite(z) and z >= 0):
+            raise ValueError(f"--dp-noise-multiplier must be >= 0, got {z}")
+        if self.budget_action not in ("stop", "warn"):
+            raise ValueError(f"--dp-budget-action must be stop or warn, got {self.budget_action!r}")
+
+
+@dataclass(frozen=True)
+class SecureAggregation(Group):
+    title = "Secure aggregation (docs/privacy.md)"
+    enabled: bool = option(
+        False, "SecAgg+: the coordinator learns only the n_j-weighted sum of the devices' deltas, each clipped on "
+               "its device to --clip-norm (required). The agents take part when RoundInfo asks; run them with "
+               "--secure-aggregation to refuse clear updates. With --dp-noise-multiplier the devices add the noise "
+               "(distributed DP).", flag="--secure-aggregation")
+    stage_timeout: float = option(
+        30.0, "Seconds each secure-aggregation stage after the keys waits for the devices; those that miss it have "
+              "dropped out (the protocol recovers them).", flag="--secagg-stage-timeout", min=0.1)
+    degree: int | None = option(
+        None, "Neighbours k (even) per device in secure aggregation (default 2*ceil(1.5*log2 n)): raise it for heavy "
+              "dropout (docs/privacy.md, 'Choosing k and t').", flag="--secagg-degree", min=2)
+
+    def __post_init__(self) -> None:
+        if self.degree is not None and (not 2 <= self.degree <= MAX_SECAGG_NEIGHBOURS or self.degree % 2):
+            raise ValueError(f"--secagg-degree must be an even number in 2..{MAX_SECAGG_NEIGHBOURS}")
+        if not self.stage_timeout > 0:
+            raise ValueError("--secagg-stage-timeout must be > 0")
+
+
+@dataclass(frozen=True)
+class Quotas(Group):
+    title = "Per-device quotas (docs/reliability.md)"
+    max_samples_per_device: int = option(
+        DEFAULT_MAX_SAMPLES_PER_DEVICE, "Largest n_samples a device may register (its weight in the mean); a "
+                                        "registration above is refused (too_many_samples).", min=1)
+    max_uploads_per_device: int = option(
+        2, "Partial uploads a device may have in flight; its newer one displaces its oldest.", min=1)
+    max_upload_bytes_per_device: int | None = option(
+        None, "Bytes a device's partial uploads may hold (default: two updates of the model).", min=1)
+    max_reassembly_bytes: int | None = option(
+        None, "Bytes all partial uploads may hold; a newcomer beyond is refused (over_quota) (default: 1 GiB, or "
+              "4 devices' quotas if more).", min=1)
+    max_messages_per_second: float = option(
+        1000.0, "Messages per device per second (bursts: 2 s' worth, or two updates' chunks); more are dropped "
+                "unread and counted (rate_limited).", min=0.001)
+    max_open_blobs: int = option(64, "Partial update blobs of all devices together; a newcomer beyond is refused.",
+                                 cli=False)
+
+    def __post_init__(self) -> None:
+        if self.max_uploads_per_device < 1 or self.max_open_blobs < 1:
+            raise ValueError("--max-uploads-per-device and max_open_blobs must be >= 1")
+
+
+GROUPS: dict[str, type[Group]] = {"rounds": Rounds, "selection": Selection, "aggregation": Aggregation,
+                                  "privacy": Privacy, "secure": SecureAggregation, "quotas": Quotas}
+
+
+@dataclass(frozen=True)
+class Config:
+    """The run's settings, one group each; `Config.of` builds it from option names."""
+
+    rounds: Rounds
+    selection: Selection = field(default_factory=Selection)
+    aggregation: Aggregation = field(default_factory=Aggregation)
+    privacy: Privacy = field(default_factory=Privacy)
+    secure: SecureAggregation = field(default_factory=SecureAggregation)
+    quotas: Quotas = field(default_factory=Quotas)
+
+    def __post_init__(self) -> None:
+        """What groups require of each other."""
+        m, clip = self.selection.clients_per_round, self.aggregation.clip_norm
+        if m is not None and self.rounds.min_clients > m:
+            raise ValueError(f"--min-clients {self.rounds.min_clients} is above --clients-per-round {m}: a round "
+                             f"closes at --clients-per-round updates")
+        if self.privacy.noise_multiplier is not None:
+            if clip is None or not clip > 0:
+                raise ValueError("--dp-noise-multiplier needs --clip-norm > 0: the bound each update is clipped to")
+            if self.aggregation.aggregator != "mean":
+                raise ValueError(f"--dp-noise-multiplier replaces the mean with DP-FedAvg; --aggregator "
+                                 f"{self.aggregation.aggregator} cannot be combined with it")
+        if not self.secure.enabled:
+            return
+        if clip is None or not (math.isfinite(clip) and clip > 0):
+            raise ValueError("--secure-aggregation needs --clip-norm C > 0: each device clips its delta to L2 norm "
+                             "C, and [-C, C] is the range its values are quantized in")
+        if self.aggregation.aggregator != "mean":
+            raise ValueError("--secure-aggregation sums the updates: it combines with --aggregator mean only")
+        if self.privacy.adaptive_quantile is not None:
+            raise ValueError("--dp-adaptive-clipping needs the count of unclipped updates, which secure aggregation "
+                             "hides: use a fixed --clip-norm")
+
+    @classmethod
+    def of(cls, **options: Any) -> Config:
+        """From option names as keywords (`rounds=3, dp_noise_multiplier=1.0`); an unknown one is a TypeError."""
+        groups = {}
+        for name, group in GROUPS.items():
+            keys = {f.name: group.flag(f.name) for f in fields(group)}
+            groups[name] = group(**{field_: options.pop(key) for field_, key in keys.items() if key in options})
+        if options:
+            raise TypeError(f"unknown settings: {', '.join(sorted(options))}")
+        return cls(**groups)

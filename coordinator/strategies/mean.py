@@ -1,0 +1,101 @@
+"""The plain rounds: the n_j-weighted mean (streaming, O(model)) or a robust rule over clear updates.
+
+Each accepted update is folded at once and checkpointed as its blob as received; every PARTIAL_EVERY
+updates the streaming rule's float64 sum is written instead and the blobs it covers deleted, so a
+restart resumes the sum bit for bit, then folds the blobs after it (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from fedper.aggregation import CoordinateMedian, TrimmedMean, WeightedMean, clip_update
+from fedper.coordinator.store import RoundRecord, Store
+from fedper.coordinator.strategies.base import Fleet, Release, Strategy
+from fedper.manifest import Manifest
+from fedper.payload import decode_shared
+from fedper.wire import SECAGG_CODEC, Outgoing, Topics, UpdateMeta, WireError
+
+AGGREGATORS: dict[str, Callable[[], Any]] = {  # by name: coordinator/config.py's AGGREGATOR_NAMES
+    "mean": WeightedMean,
+    "median": CoordinateMedian,
+    "trimmed-mean": TrimmedMean,
+}
+PARTIAL_EVERY = 8  # a streaming rule: a checkpoint of its float64 sum per this many accepted updates
+
+
+class Mean(Strategy):
+    """--aggregator over clear updates, each clipped to --clip-norm against the round's model when set."""
+
+    def __init__(self, manifest: Manifest, store: Store, topics: Topics, fleet: Fleet, aggregator: str = "mean",
+                 clip_norm: float | None = None) -> None:
+        super().__init__(manifest, store, topics, fleet)
+        self.aggregator, self.clip_norm = aggregator, clip_norm
+        self.partial: str | None = None  # the rule's float64 running sum, if one was written this round
+        self.updates: dict[str, str] = {}  # device -> its accepted update as received, after the partial
+
+    def open(self, number: int, model: Mapping[str, np.ndarray], finished: bool) -> None:
+        super().open(number, model, finished)
+        self.rule = self._new_rule()
+        self.partial, self.updates = None, {}
+
+    def _new_rule(self) -> Any:
+        return AGGREGATORS[self.aggregator]()
+
+    def _streaming(self) -> bool:
+        """Whether the rule keeps a running sum (checkpointed as such) rather than every update."""
+        return isinstance(self.rule, WeightedMean)
+
+    def check(self, meta: UpdateMeta) -> None:
+        super().check(meta)
+        if meta.codec == SECAGG_CODEC:
+            raise WireError("secagg", "this round takes clear updates")
+
+    def accept(self, device: str, blob: bytes, meta: UpdateMeta, now: float) -> tuple[bool, list[Outgoing]]:
+        """Fold an update checked in full: the rule's add is all or nothing, then its checkpoint file is written."""
+        tensors = self._prepared(decode_shared(self.manifest, blob, meta.codec, base=self.model))
+        try:
+            self.rule.add(tensors, meta.n_samples)
+        except ValueError as e:
+            raise WireError("rejected", f"the aggregation rule refused the update: {e}") from None
+        if self._streaming() and len(self.updates) + 1 >= PARTIAL_EVERY:
+            self.partial = self.store.write_tensors(f"partial-r{self.number}-{self.rule.count}.safetensors",
+                                                    self.rule.sums())
+            self.updates = {}  # the partial covers them; the commit deletes their files
+        else:
+            self.updates[device] = self.store.write_bytes(f"update-r{self.number}-{device}.safetensors", blob)
+        return True, []
+
+    def _prepared(self, tensors: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        """Clipped (with --clip-norm) against the round's model."""
+        if self.clip_norm is not None:
+            tensors = clip_update(tensors, self.model, self.clip_norm)
+        return tensors
+
+    def release(self, closed: RoundRecord) -> Release:
+        return Release(self.rule.result())
+
+    def checkpoint(self) -> dict[str, Any]:
+        return {**super().checkpoint(), "partial": self.partial, "updates": dict(self.updates)}
+
+    def resume(self, part: Mapping[str, Any], round_: RoundRecord, model: Mapping[str, np.ndarray],
+               finished: bool) -> None:
+        """The partial sum, then the blobs folded after it."""
+        super().resume(part, round_, model, finished)
+        self.rule, self.partial, self.updates = self._new_rule(), part.get("partial"), {}
+        if self.partial:
+            self.rule = self._resumed(self.store.read_tensors(self.partial), part, round_)
+        for device, blob_name in part.get("updates", {}).items():
+            self.updates[device] = blob_name
+            tensors = decode_shared(self.manifest, self.store.read_bytes(blob_name), base=self.model)
+            self.rule.add(self._prepared(tensors), round_.folded[device].n_samples)
+
+    def _resumed(self, sums: dict[str, np.ndarray], part: Mapping[str, Any], round_: RoundRecord) -> Any:
+        """The rule from its partial sum, which holds the folded updates not kept as blobs."""
+        blobs = part.get("updates", {})
+        in_partial = [f.n_samples for device, f in round_.folded.items() if device not in blobs]
+        dtypes = {t.name: t.dtype for t in self.manifest.shared_tensors}
+        return WeightedMean.from_sums(sums, float(sum(in_partial)), len(in_partial), dtypes)

@@ -1,0 +1,162 @@
+"""The secure sum (`--secure-aggregation`): the open round runs a SecAgg+ session, and the coordinator
+learns only the n_j-weighted sum of the contributors' clipped deltas (with a noise multiplier the devices
+add the noise: distributed DP, accounted like the central kind).
+
+A session is not checkpointed: after a restart or a failed session the round opens a new one and the
+devices take part again. The stages and their messages: coordinator/secure_round.py, docs/privacy.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Set
+from typing import Any
+
+import numpy as np
+
+from fedper.coordinator.secure_round import DistributedNoise, SecureRound, SecureSettings, flat_length, new_session
+from fedper.coordinator.store import Folded, RoundRecord, Store
+from fedper.coordinator.strategies.base import Fleet, Release, Strategy
+from fedper.coordinator.strategies.budget import PrivacyBudget
+from fedper.manifest import Manifest
+from fedper.payload import max_blob_size
+from fedper.wire import DEVICE_KINDS, SECAGG_CODEC, SECAGG_UP, Outgoing, Topics, UpdateMeta, WireError, decode_secagg
+
+log = logging.getLogger("fedper.coordinator")
+
+
+class SecureSum(Strategy):
+    """One SecAgg+ session per round attempt; stage 1 (the keys) closes by the engine's rule, 2-4 by their own."""
+
+    kinds = DEVICE_KINDS
+    answers = "advertisement(s)"
+    quorum = 2  # a sum of one device is that device's update
+
+    def __init__(self, manifest: Manifest, store: Store, topics: Topics, fleet: Fleet, *, clip_norm: float,
+                 stage_timeout: float, degree: int | None, min_clients: int, budget: PrivacyBudget | None) -> None:
+        super().__init__(manifest, store, topics, fleet)
+        self.clip_norm, self.stage_timeout, self.degree = clip_norm, stage_timeout, degree
+        self.min_clients = min_clients
+        self.budget = budget
+        self.private = budget is not None
+        self.tensors = "shared" if budget is None else "trainable"  # DP: private_tensor_names, as DPFedAvg
+        self.session: SecureRound | None = None
+        self.failures = 0  # sessions that could not finish in this process (monitoring; not checkpointed)
+
+    def open(self, number: int, model: Mapping[str, np.ndarray], finished: bool) -> None:
+        """The round's (new) session; devices learn it from RoundInfo."""
+        super().open(number, model, finished)
+        self.session = None if finished else SecureRound(number, new_session(), SecureSettings(
+            self.clip_norm, flat_length(self.manifest, self.tensors), self.stage_timeout, self.degree, self.tensors))
+
+    def _open_session(self) -> SecureRound:
+        if self.session is None:
+            raise WireError("secagg", "this coordinator does not run secure aggregation (or the run is finished)")
+        return self.session
+
+    def check(self, meta: UpdateMeta) -> None:
+        super().check(meta)
+        if meta.codec != SECAGG_CODEC:
+            raise WireError("secagg", "this round runs secure aggregation: run the agent with --secure-aggregation")
+
+    def accept(self, device: str, blob: bytes, meta: UpdateMeta, now: float) -> tuple[bool, list[Outgoing]]:
+        """A masked input: it joins the sum, no update is folded in the clear."""
+        self._open_session().on_masked(device, blob, meta.n_samples, meta.metrics)
+        return False, self._progress(now)
+
+    def on_message(self, device: str, kind: str, payload: bytes, now: float) -> list[Outgoing]:
+        self._open_session().on_message(device, decode_secagg(payload, SECAGG_UP))
+        return self._progress(now)
+
+    def answered(self, folded: Set[str]) -> Set[str]:
+        """Stage 1: the registered devices that advertised keys."""
+        return self._open_session().adverts.keys() & self.fleet.registered.keys()
+
+    def close(self, now: float) -> list[Outgoing]:
+        """Stage 1 -> 2: the advertisers become the roster (under DP each one's share of the noise is set: the
+        sum of m of them has std z * C)."""
+        session = self._open_session()
+        noise = None if self.budget is None else DistributedNoise(self.budget.noise_multiplier,
+                                                                  float(self.fleet.round_size()))
+        registered = {d: r.n_samples for d, r in self.fleet.registered.items()}
+        out = session.close_adverts(registered, now, self.topics, noise)
+        self.collecting = False
+        self._settle()
+        return out
+
+    def tick(self, now: float) -> list[Outgoing]:
+        """Stages 2-4 close at their deadline."""
+        session = self.session
+        if session is None or self.collecting or self.ready or self.failed or now < session.deadline:
+            return []
+        return self._step(now)
+
+    def _progress(self, now: float) -> list[Outgoing]:
+        """Close a stage (2-4) as soon as every device it waits for has answered."""
+        return self._step(now) if self._open_session().complete else []
+
+    def _step(self, now: float) -> list[Outgoing]:
+        out = self._open_session().close_open_stage(now, self.topics, max(self.min_clients, 2))
+        self._settle()
+        return out
+
+    def _settle(self) -> None:
+        """Where the session is: done releases the round, failed asks the engine to open it again."""
+        stage = self._open_session().stage
+        self.ready, self.failed = stage == "done", stage == "failed"
+        self.failures += self.failed
+
+    def release(self, closed: RoundRecord) -> Release:
+        """base + the n_j-weighted mean of the contributors' clipped deltas; the base when the sum fails its check."""
+        session = self._open_session()
+        contributors = {d: Folded(n, metrics) for d, (n, metrics) in session.contributions().items()}
+        refused = session.check_sum()
+        if refused:
+            log.warning("round %d: the secure sum is not released, the model stays as it was: %s", closed.number,
+                        refused)
+        return Release(session.model(self.manifest, self.model), contributors)
+
+    def record(self, closed: RoundRecord, last: bool) -> dict[str, Any]:
+        session = self._open_session()
+        record: dict[str, Any] = {"secagg": {"session": session.session, "devices": len(session.roster),
+                                             "sum_refused": session.refused_sum or None}}
+        if self.budget is not None:  # distributed noise: what the contributors' shares of it add up to
+            z, m = session.noise_multiplier(), float(session.expected_weight or 1)
+            release = {"clip_norm": session.clip, "noise_std": z * session.clip / m, "expected": m,
+                       "unclipped": None, "count": len(closed.folded)}
+            record["dp"] = self.budget.account(closed.number, self.fleet.invited_fraction(closed), z, release,
+                                               len(self.fleet.registered), last)
+            self.stopped = self.budget.stopped
+        return record
+
+    def upload_size(self) -> int:
+        """A masked input holds 4 bytes (uint32) per value, whatever the dtypes."""
+        values = sum(int(np.prod(t.shape, dtype=np.int64)) for t in self.manifest.shared_tensors)
+        return max(max_blob_size(self.manifest), 4 * values + 4096)
+
+    def round_fields(self) -> dict[str, Any]:
+        return {"secagg_session": self.session.session} if self.session is not None else {}
+
+    def state_fields(self) -> dict[str, Any]:
+        fields: dict[str, Any] = {"dp": self.budget.summary()} if self.budget is not None else {}
+        if self.session is not None:
+            fields["secagg"] = {"session": self.session.session, "stage": self.session.stage,
+                                "devices": len(self.session.roster) or len(self.session.adverts),
+                                "failed_sessions": self.failures}
+        return fields
+
+    @property
+    def epsilon(self) -> float | None:
+        return None if self.budget is None else self.budget.epsilon
+
+    def checkpoint(self) -> dict[str, Any]:
+        return {"privacy": None if self.budget is None else {**self.budget.checkpoint(), "partial_meta": None}}
+
+    def resume(self, part: Mapping[str, Any], round_: RoundRecord, model: Mapping[str, np.ndarray],
+               finished: bool) -> None:
+        """The budget; the session starts afresh."""
+        super().resume(part, round_, model, finished)
+        if self.budget is not None:
+            self.budget.resume(part["privacy"])
+            self.stopped = self.budget.stopped
+        self.open(round_.number, model, finished)
