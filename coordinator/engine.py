@@ -774,7 +774,7 @@ class Coordinator:
         clipping = None
         if config.dp_adaptive_quantile is not None:
             clipping = AdaptiveClipping(config.clip_norm, target_quantile=config.dp_adaptive_quantile)
-        accountant = PrivacyAccountant(config.dp_delta)
+        accountant = PrivacyAccountant(config.dp_delta, sampling="fixed" if config.clients_per_round else "poisson")
         try:
             accountant.epsilon()  # imports dp-accounting now rather than at the first round's close
         except ImportError as e:
@@ -809,11 +809,11 @@ class Coordinator:
         return max(1, self.config.clients_per_round or len(self.registered))
 
     def _sampling_rate(self, closed: _Round) -> float:
-        """q for the accountant: invited / registered with --clients-per-round, else 1. The accountant assumes
-        Poisson sampling; a fixed number of invitations is approximated by its rate (docs/privacy.md)."""
+        """q for the accountant: with --clients-per-round, invited / the devices they were drawn from (eligible
+        now or invited), sampled without replacement (docs/privacy.md); else 1."""
         if not self.selecting:
             return 1.0
-        return min(1.0, max(len(closed.invited), 1) / max(len(self.registered), 1))
+        return min(1.0, max(len(closed.invited), 1) / max(len(self._eligible() | closed.invited), 1))
 
     def _account(self, closed: _Round, last: bool) -> dict[str, Any]:
         """Record the released round, then check the next one's projected epsilon against the budget; the
@@ -851,7 +851,7 @@ class Coordinator:
                    "expected_participants": release["expected"], "unclipped": release["unclipped"],
                    "stopped": dp.stopped}
         if dp.clipping is not None:  # the count's noise comes from the round's generator, after the model's
-            figures["next_clip_norm"] = dp.clipping.step(rule.unclipped, rule.expected_weight, rule.rng)
+            figures["next_clip_norm"] = dp.clipping.step(rule.unclipped, rule.count, rule.expected_weight, rule.rng)
         return figures
 
     def _privacy_summary(self) -> dict[str, Any]:
