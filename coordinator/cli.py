@@ -31,7 +31,8 @@ def run(
     over_select: float = typer.Option(
         1.0, min=1.0, help="F: invite ceil(F * M) online devices per round, to absorb dropouts (with "
                            "--clients-per-round)."),
-    selection_seed: int = typer.Option(0, min=0, help="Seed of the invitations' ranking (fedper/selection.py)."),
+    selection_seed: int = typer.Option(None, min=0, help="Seed of the invitations' ranking (fedper/selection.py); "
+                                       "default: a secret drawn at start (a chosen one is public, refused under DP)."),
     state_dir: Path = typer.Option(..., help="Checkpoints, metrics.jsonl and final.safetensors; resumed from."),
     broker: str = typer.Option("", help="External broker URL, mqtt://host:1883 or mqtts://host:8883."),
     embedded_broker: bool = typer.Option(False, help="Run amqtt's broker in this process on 127.0.0.1:--port."),

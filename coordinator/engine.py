@@ -56,7 +56,7 @@ from fedper.privacy import (
     private_tensor_names,
     round_generator,
 )
-from fedper.selection import invitations, select
+from fedper.selection import check_seed, invitations, new_seed, select
 from fedper.wire import (
     DEFAULT_CHUNK_SIZE,
     MAX_ERROR_TEXT,
@@ -112,7 +112,7 @@ class Config:
     state_interval: float = 0.5  # at most one state message (and one invitation top-up) per this many seconds
     clients_per_round: int | None = None  # M: a round closes at M accepted updates; None: every registered device
     over_select: float = 1.0  # F: a round invites ceil(F * M) devices, to absorb those that drop out
-    selection_seed: int = 0  # the seed of fedper.selection's ranking
+    selection_seed: int | None = None  # the seed of fedper.selection's ranking; None: a secret drawn per process
     dp_noise_multiplier: float | None = None  # z: DP-FedAvg with noise std z * clip_norm on the sum; None: no DP
     dp_delta: float = DEFAULT_DELTA
     dp_target_epsilon: float | None = None  # the budget: no round opens whose projected epsilon exceeds it
@@ -188,6 +188,10 @@ class Coordinator:
         if config.rounds < 1 or config.min_clients < 1:
             raise ValueError("rounds and min_clients must be >= 1")
         self.selecting = config.clients_per_round is not None  # else every registered device takes part
+        # secret, so no device learns its future rounds; under DP also what the "fixed" sampling assumes
+        self._seed = new_seed() if config.selection_seed is None else config.selection_seed
+        if config.dp_noise_multiplier is not None and config.selection_seed is not None:
+            check_seed(config.selection_seed)
         if not self.selecting and config.over_select != 1.0:
             raise ValueError("--over-select needs --clients-per-round: without it every registered device takes part")
         if config.clients_per_round is not None:
@@ -556,7 +560,7 @@ class Coordinator:
         caller checkpoints it. Fewer than ceil(F * M) of them: _top_up invites more as they come online."""
         r = self.round
         r.selected, r.invite_cap = True, self._invitations
-        r.invited = set(select(self._eligible(), r.invite_cap, seed=self.config.selection_seed, round_=r.number))
+        r.invited = set(select(self._eligible(), r.invite_cap, seed=self._seed, round_=r.number))
         log.info("round %d: invited %d of %d device(s) online", r.number, len(r.invited), len(self.online))
 
     def _eligible(self) -> set[str]:
@@ -569,7 +573,7 @@ class Coordinator:
         room = r.invite_cap - len(r.invited)
         if room <= 0:
             return []
-        chosen = select(self._eligible() - r.invited, room, seed=self.config.selection_seed, round_=r.number)
+        chosen = select(self._eligible() - r.invited, room, seed=self._seed, round_=r.number)
         if not chosen:
             return []
         r.invited.update(chosen)
@@ -879,7 +883,7 @@ class Coordinator:
             self._written_registry = dict(self.registered)
             self._registry_dirty = False
         r = self.round
-        selection = {"selection": {"seed": self.config.selection_seed, "invite_cap": r.invite_cap,
+        selection = {"selection": {"seed": self._seed, "invite_cap": r.invite_cap,
                                    "invited": sorted(r.invited)}} if r.selected else {}
         self.store.commit({
             "round": {"number": r.number, "folded": {d: asdict(f) for d, f in r.folded.items()},
