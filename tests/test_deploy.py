@@ -244,20 +244,30 @@ def arrive(inbox: list, message: tuple[str, bytes], seconds: float = 10.0) -> No
 
 
 def test_coordinator_and_agent_run_through_the_deploy_broker_while_another_device_steals_their_ids(
-        broker, tmp_path: Path, tiny_artifacts: Path, processes: Processes) -> None:
+        broker, tmp_path: Path, tiny_artifacts: Path, processes: Processes, monkeypatch: pytest.MonkeyPatch) -> None:
     """The real coordinator and a real agent (user name = device id, as deploy/README.md says)
     finish a 2-round run over TLS through the shipped configuration, while dev-c keeps connecting
     with their client ids: neither loses its broker, the coordinator's state never says
-    `offline`, and both of the agent's updates are folded."""
+    `offline`, and both of the agent's updates are folded. Neither has its password on its command
+    line (issue 26): the coordinator reads it from a credentials directory, as the unit's LoadCredential
+    gives it, the agent from FEDPER_MQTT_PASSWORD_FILE."""
     url, ca = f"mqtts://127.0.0.1:{broker['port']}", str(broker["ca"])
     pw = broker["passwords"]
     state_dir = tmp_path / "coordinator"
+    (tmp_path / "credentials").mkdir()
+    (tmp_path / "credentials" / "mqtt-password").write_text(pw["coordinator"] + "\n")
+    (tmp_path / "dev-a.password").write_text(pw["dev-a"])
+    monkeypatch.delenv("FEDPER_MQTT_PASSWORD", raising=False)
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(tmp_path / "credentials"))
     coordinator = processes.start("coordinator", *coordinator_args(
-        tiny_artifacts, url, state_dir, "lab", 2, 1, 60, "--username", "coordinator", "--password",
-        pw["coordinator"], "--tls-ca", ca))
+        tiny_artifacts, url, state_dir, "lab", 2, 1, 60, "--username", "coordinator", "--tls-ca", ca))
+    monkeypatch.delenv("CREDENTIALS_DIRECTORY")
+    monkeypatch.setenv("FEDPER_MQTT_PASSWORD_FILE", str(tmp_path / "dev-a.password"))
     data = write_device_data(tmp_path / "a.npz", (0, 1), 40)
     agent = processes.start("dev-a", *agent_args(tiny_artifacts, data, url, "lab", "dev-a", tmp_path / "dev-a",
-                                                "--username", "dev-a", "--password", pw["dev-a"], "--tls-ca", ca))
+                                                "--username", "dev-a", "--tls-ca", ca))
+    for proc, user in ((coordinator, "coordinator"), (agent, "dev-a")):
+        assert pw[user].encode() not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
     observer, states_seen, _ = connect(broker, "dev-b")
     observer.subscribe(f"{FLEET}/state", qos=1)
     thefts = 0
