@@ -258,6 +258,9 @@ def test_adaptive_clipping_epsilon_is_that_of_the_mechanism_it_runs() -> None:
     assert 0 < base < 1 and base - 0.5 == pytest.approx(np.random.default_rng(3).normal(0, count_std) / m)
     moves = [abs(_noisy_fraction(5 + bit, 11, m, count_std, seed=3) - base) * m for bit in (0, 1)]
     assert moves == pytest.approx([0.5, 0.5])  # one device more moves the count by 1/2, clipped or not
+    # replace-one (sampling "fixed"): one device's bit flipped moves it by 1, twice 1/2, as the sum's 2C is
+    # twice C, so the pair is still one Gaussian, at half the multiplier: what dp_event's z / 2 accounts
+    assert abs(_noisy_fraction(6, 10, m, count_std, seed=3) - base) * m == pytest.approx(1.0)
 
     def true_epsilon(count_sensitivity: float) -> float:
         accountant = rdp.RdpAccountant()
