@@ -61,7 +61,9 @@ class Selection(Group):
               "only from the devices it invited (default: every registered device).", min=1)
     over_select: float = option(1.0, "F: invite ceil(F * M) online devices per round, to absorb dropouts (with "
                                      "--clients-per-round).", min=1.0)
-    selection_seed: int = option(0, "Seed of the invitations' ranking (fedper/selection.py).", min=0)
+    selection_seed: int | None = option(
+        None, "Seed of the invitations' ranking (fedper/selection.py); default: a secret drawn at start (a chosen "
+              "one is public, refused under DP).", min=0)
 
     def __post_init__(self) -> None:
         if self.clients_per_round is None and self.over_select != 1.0:

@@ -34,7 +34,7 @@ from fedper.coordinator.store import (
 from fedper.coordinator.strategies import strategy_for
 from fedper.manifest import Manifest
 from fedper.payload import decode_shared, encode_shared
-from fedper.selection import invitations, select
+from fedper.selection import check_seed, invitations, new_seed, select
 from fedper.wire import (
     MAX_ERROR_TEXT,
     ErrorMessage,
@@ -64,6 +64,10 @@ class Coordinator:
     def __init__(self, manifest: Manifest, initial: Mapping[str, np.ndarray], topics: Topics, config: Config,
                  store: Store) -> None:
         self.selecting = config.selection.clients_per_round is not None  # else every registered device takes part
+        seed = config.selection.selection_seed  # secret by default: no device learns its future rounds, and the
+        self._seed = new_seed() if seed is None else seed  # fixed-size sampling under DP assumes it (docs/privacy.md)
+        if config.privacy.noise_multiplier is not None and seed is not None:
+            check_seed(seed)
         if config.selection.clients_per_round is not None:
             self._invitations = invitations(config.selection.clients_per_round, config.selection.over_select)
         self.manifest, self.topics, self.config, self.store = manifest, topics, config, store
@@ -107,10 +111,11 @@ class Coordinator:
         return max(1, self.config.selection.clients_per_round or len(self.registered))
 
     def invited_fraction(self, closed: RoundRecord) -> float:
-        """invited / registered with --clients-per-round, else 1 (the accountant's q, docs/privacy.md)."""
+        """The accountant's q: with --clients-per-round, invited / the devices they were drawn from (eligible now
+        or invited), sampled without replacement (docs/privacy.md); else 1."""
         if not self.selecting:
             return 1.0
-        return min(1.0, max(len(closed.invited), 1) / max(len(self.registered), 1))
+        return min(1.0, max(len(closed.invited), 1) / max(len(self._eligible() | closed.invited), 1))
 
     # ------------------------------------------------------------ life cycle
 
@@ -412,7 +417,7 @@ class Coordinator:
         """The opening selection of the (new) open round, among the devices registered and online now; the
         caller checkpoints it. Fewer than ceil(F * M) of them: _top_up invites more as they come online."""
         r = self.round
-        r.selected, r.invite_cap, r.seed = True, self._invitations, self.config.selection.selection_seed
+        r.selected, r.invite_cap, r.seed = True, self._invitations, self._seed
         r.invited = set(select(self._eligible(), r.invite_cap, seed=r.seed, round_=r.number))
         log.info("round %d: invited %d of %d device(s) online", r.number, len(r.invited), len(self.online))
 
@@ -426,7 +431,7 @@ class Coordinator:
         room = r.invite_cap - len(r.invited)
         if room <= 0:
             return []
-        chosen = select(self._eligible() - r.invited, room, seed=self.config.selection.selection_seed, round_=r.number)
+        chosen = select(self._eligible() - r.invited, room, seed=self._seed, round_=r.number)
         if not chosen:
             return []
         r.invited.update(chosen)

@@ -25,7 +25,8 @@ too), as FedBABU does.
 Privacy (`dp_noise_multiplier`, docs/privacy.md): the server's step is fedper.privacy's DPFedAvg, the
 coordinator's rule and code (clipped deltas, uniform weights, noise z*C on the sum, the expected number
 of updates M as the denominator, shared BatchNorm statistics not aggregated), with its accountant
-(q = M/N, Poisson subsampling assumed) and its budget check. Round k's noise is drawn from
+and its budget check. The accountant matches the selection: M clients out of N without replacement
+(q = M/N, sampling "fixed"), or every client (q = 1, "poisson"). Round k's noise is drawn from
 round_generator(noise_secret(seed), k), so the seed and the round in a saved state fix it; the
 accountant's history and the adaptive clip norm are saved with the state. `clip_norm` alone clips
 each update's distance to the round model, as the coordinator's --clip-norm does.
@@ -244,7 +245,8 @@ class Fleet:
         clipping = None
         if cfg.dp_adaptive_quantile is not None:
             clipping = AdaptiveClipping(float(cfg.clip_norm or 0), target_quantile=cfg.dp_adaptive_quantile)
-        return PrivacyState(PrivacyAccountant(cfg.dp_delta), clipping)
+        sampling = "fixed" if self.sampling_rate < 1 else "poisson"  # select() draws M of N without replacement
+        return PrivacyState(PrivacyAccountant(cfg.dp_delta, sampling=sampling), clipping)
 
     def init(self) -> FleetState:
         """Every client starts from the server's broadcast shared tensors; its local ones are its own
@@ -342,7 +344,8 @@ class Fleet:
                    "noise_std": rule.noise_std, "expected_participants": rule.expected_weight,
                    "unclipped": rule.unclipped}
         if privacy.clipping is not None:
-            figures["next_clip_norm"] = privacy.clipping.step(rule.unclipped, rule.expected_weight, rule.rng)
+            figures["next_clip_norm"] = privacy.clipping.step(rule.unclipped, rule.count, rule.expected_weight,
+                                                                rule.rng)
         return shared, privacy, figures
 
     def budget_stops(self, state: FleetState) -> bool:

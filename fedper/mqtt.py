@@ -13,17 +13,24 @@ the role's engine, so the engine needs no locks. The one exception is an `admit`
 in the network thread: what it refuses is acknowledged there and never queued, so a flood costs
 the receiving side microseconds a message instead of a place in the queue and a trip through the
 engine (the filter must be thread-safe).
+
+The broker password never needs the command line, where every user of the machine reads it in `ps`:
+`broker_password` takes it from the file FEDPER_MQTT_PASSWORD_FILE names or from systemd's credential
+(`LoadCredential=mqtt-password:...` puts it in $CREDENTIALS_DIRECTORY) when none is given, for every
+role that connects through `make_client`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import random
 import ssl
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from urllib.parse import urlparse
 
@@ -33,6 +40,8 @@ from paho.mqtt.properties import Properties
 
 PROTOCOLS = {"3.1.1": mqtt.MQTTv311, "5": mqtt.MQTTv5}
 SESSION_EXPIRY_S = 24 * 3600
+PASSWORD_FILE_ENV = "FEDPER_MQTT_PASSWORD_FILE"  # a file holding the broker password (one line)
+CREDENTIAL = "mqtt-password"  # its name as a systemd credential (deploy/systemd/)
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,27 @@ def parse_broker_url(url: str) -> BrokerUrl:
     return BrokerUrl(parsed.hostname, port, tls)
 
 
+def broker_password(password: str | None) -> str | None:
+    """`password` if given (--password or FEDPER_MQTT_PASSWORD), else the first line of the file
+    $FEDPER_MQTT_PASSWORD_FILE, else of $CREDENTIALS_DIRECTORY/mqtt-password, else None. A named file that
+    cannot be read, or is empty, is an error: falling back to no password would only hide the mistake."""
+    if password is not None:
+        return password
+    path = os.environ.get(PASSWORD_FILE_ENV)
+    if not path and os.environ.get("CREDENTIALS_DIRECTORY"):
+        credential = Path(os.environ["CREDENTIALS_DIRECTORY"], CREDENTIAL)
+        path = str(credential) if credential.exists() else None
+    if not path:
+        return None
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"cannot read the broker password from {path}: {e.strerror}") from None
+    if not lines or not lines[0]:
+        raise ValueError(f"the broker password file {path} is empty")
+    return lines[0]
+
+
 def make_client(
     client_id: str,
     *,
@@ -69,7 +99,8 @@ def make_client(
     """A paho client with a persistent session, auth, TLS, a retained last will and reconnect backoff.
 
     manual_ack: QoS 1 messages are acknowledged by the caller (client.ack) once handled, so the
-    broker redelivers what a killed process received but had not yet made durable.
+    broker redelivers what a killed process received but had not yet made durable. Without a password,
+    one from a file or a systemd credential is used (broker_password).
     """
     if protocol not in PROTOCOLS:
         raise ValueError(f"MQTT protocol {protocol!r}: choose one of {', '.join(PROTOCOLS)}")
@@ -79,7 +110,7 @@ def make_client(
         **({} if v5 else {"clean_session": False}),
     )
     if username is not None:
-        client.username_pw_set(username, password)
+        client.username_pw_set(username, broker_password(password))
     if tls or tls_ca:
         client.tls_set(ca_certs=tls_ca, cert_reqs=ssl.CERT_REQUIRED)
     if will is not None:

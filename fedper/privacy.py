@@ -48,6 +48,7 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, Literal
 
 import numpy as np
@@ -57,6 +58,7 @@ from fedper.manifest import Manifest
 
 Tensor = Any  # numpy.ndarray or torch.Tensor
 Accounting = Literal["rdp", "pld"]
+Sampling = Literal["poisson", "fixed"]
 BudgetAction = Literal["continue", "warn", "stop"]
 DEFAULT_DELTA = 1e-5  # the delta epsilon is reported at by default; choose it below 1 / (number of devices)
 
@@ -218,10 +220,12 @@ def expected_weight(sample_counts: Iterable[float], sampling_rate: float, sample
 class AdaptiveClipping:
     """Geometric update of the clip norm toward the `target_quantile` of the update norms (Andrew et al.,
     NeurIPS 2021, Algorithm 1): C <- C * exp(-learning_rate * (b - target_quantile)), b the fraction of
-    unclipped updates, counted with N(0, count_noise_std^2) noise and divided by the expected number of
-    devices. That count is a second query on the devices' data; `update_noise_multiplier` splits a total
-    noise multiplier z between the two so that the accountant's z stays the whole cost. The paper's
-    defaults: learning_rate 0.2, target_quantile 0.5, count_noise_std = expected devices / 20."""
+    unclipped updates. That count is a second query on the devices' data, so each folded device counts
+    +1/2 (unclipped) or -1/2 (clipped), as TF Privacy does: adding or removing one device then moves the
+    count by 1/2, which is the sensitivity `update_noise_multiplier` splits z with (a 0/1 bit would move
+    it by 1 and spend more than the accountant's z). The noisy sum gets N(0, count_noise_std^2), is
+    divided by the expected number of devices m, shifted back by 1/2 and clamped to [0, 1]. The paper's
+    defaults: learning_rate 0.2, target_quantile 0.5, count_noise_std = m / 20."""
 
     clip_norm: float
     target_quantile: float = 0.5
@@ -236,9 +240,9 @@ class AdaptiveClipping:
                              f"{self.target_quantile}, {self.learning_rate}")
 
     def update_noise_multiplier(self, noise_multiplier: float) -> float:
-        """z_update = (z^-2 - (2 count_noise_std)^-2)^-1/2: the updates' share of a total z (the centred
-        count's sensitivity is 1/2). Needs count_noise_std > z / 2, or the count alone would spend more than
-        the whole budget."""
+        """z_update = (z^-2 - (2 count_noise_std)^-2)^-1/2: the updates' share of a total z (`step` centres the
+        count, so its sensitivity is 1/2 and its noise multiplier 2 count_noise_std). Needs count_noise_std
+        > z / 2, or the count alone would spend more than the whole budget."""
         if noise_multiplier == 0:
             return 0.0
         rest = noise_multiplier ** -2 - (2 * self.count_noise_std) ** -2
@@ -247,10 +251,13 @@ class AdaptiveClipping:
                              f"({noise_multiplier / 2}) for the updates to keep any budget")
         return rest ** -0.5
 
-    def step(self, unclipped: int, expected_devices: float, rng: np.random.Generator) -> float:
-        """Move the clip norm after a round in which `unclipped` updates were within it; returns the new one."""
-        noisy_fraction = (unclipped + rng.normal(0.0, self.count_noise_std)) / _positive("expected_devices",
-                                                                                         expected_devices)
+    def step(self, unclipped: int, folded: int, expected_devices: float, rng: np.random.Generator) -> float:
+        """Move the clip norm after a round that folded `folded` updates, `unclipped` of them within it;
+        returns the new one. The count is centred (sensitivity 1/2, see the class) before the noise is added."""
+        if not 0 <= unclipped <= folded:
+            raise ValueError(f"need 0 <= unclipped <= folded, got {unclipped} and {folded}")
+        centred = unclipped - folded / 2 + rng.normal(0.0, self.count_noise_std)
+        noisy_fraction = min(max(centred / _positive("expected_devices", expected_devices) + 0.5, 0.0), 1.0)
         self.clip_norm *= math.exp(-self.learning_rate * (noisy_fraction - self.target_quantile))
         return self.clip_norm
 
@@ -280,51 +287,79 @@ def prepare_release(rule: DPFedAvg, expected_devices: float, noise_multiplier: f
 # ---------------------------------------------------------------- accounting
 
 
-def dp_event(history: Sequence[tuple[int, float, float]]) -> Any:
-    """The dp-accounting event of a run: per (rounds, q, z) segment, `rounds` compositions of the
-    Poisson-subsampled Gaussian mechanism with sampling rate q and noise multiplier z."""
+def dp_event(history: Sequence[tuple[int, float, float]], sampling: Sampling = "poisson") -> Any:
+    """The dp-accounting event of a run: per (rounds, q, z) segment, `rounds` compositions of the Gaussian
+    mechanism with noise multiplier z on a sample of the fleet at rate q.
+
+    "poisson": every device takes part independently with probability q (add-or-remove-one neighbours; the
+    clipped sum moves by at most C, so the event's multiplier is z). "fixed": a uniformly random set of
+    q * N devices out of N, without replacement (replace-one neighbours, N public; replacing one device's
+    data moves the clipped sum by up to 2C, so the event's multiplier is z / 2). q = 1 is every device."""
     import dp_accounting
 
-    return dp_accounting.ComposedDpEvent([
-        dp_accounting.SelfComposedDpEvent(
-            dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), rounds)
-        for rounds, q, z in history
-    ])
+    def one(q: float, z: float) -> Any:
+        if sampling == "poisson":
+            return dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z))
+        gaussian = dp_accounting.GaussianDpEvent(z / 2)
+        if q == 1:
+            return gaussian
+        share = Fraction(q).limit_denominator(1 << 32)  # only m / N enters the bound (Wang et al. 2019, Thm 27)
+        return dp_accounting.SampledWithoutReplacementDpEvent(share.denominator, share.numerator, gaussian)
+
+    return dp_accounting.ComposedDpEvent([dp_accounting.SelfComposedDpEvent(one(q, z), rounds)
+                                          for rounds, q, z in history])
 
 
-def _epsilon(history: Sequence[tuple[int, float, float]], delta: float, accounting: Accounting) -> float:
+def _fresh_accountant(accounting: Accounting, sampling: Sampling) -> Any:
+    """dp-accounting's accountant for the neighbouring relation `sampling` needs (see dp_event)."""
     try:
-        from dp_accounting import pld, rdp
+        from dp_accounting import NeighboringRelation, pld, rdp
     except ImportError as exc:
         raise ImportError("privacy accounting needs dp-accounting: pip install 'fedper-edge[privacy]'") from exc
+    relation = NeighboringRelation.ADD_OR_REMOVE_ONE if sampling == "poisson" else NeighboringRelation.REPLACE_ONE
+    return (rdp.RdpAccountant if accounting == "rdp" else pld.PLDAccountant)(neighboring_relation=relation)
+
+
+def _epsilon(history: Sequence[tuple[int, float, float]], delta: float, accounting: Accounting,
+             sampling: Sampling = "poisson") -> float:
+    accountant = _fresh_accountant(accounting, sampling)
     if not history:
         return 0.0
     if any(z == 0 and q > 0 for _, q, z in history):
         return math.inf
-    accountant = rdp.RdpAccountant() if accounting == "rdp" else pld.PLDAccountant()
-    accountant.compose(dp_event(history))
+    accountant.compose(dp_event(history, sampling))
     return float(accountant.get_epsilon(delta))
 
 
 @dataclass
 class PrivacyAccountant:
-    """The privacy a run has spent: epsilon at `delta` after its rounds, each the Poisson-subsampled
-    Gaussian mechanism with sampling rate q = M / N (M the devices invited, over-selection included: a
-    device dropping out for reasons of its own only lowers the real rate) and noise multiplier z.
+    """The privacy a run has spent: epsilon at `delta` after its rounds, each the Gaussian mechanism with
+    noise multiplier z on a sample of the fleet at rate q = M / N (M the devices invited, over-selection
+    included: a device dropping out for reasons of its own only lowers the real rate).
 
-    `accounting` "rdp" (Rényi DP, Mironov 2017, as TF Privacy and the DP-FedAvg paper) is fast whatever the
-    number of rounds; "pld" (privacy loss distributions) is tighter and slower. The state is the (rounds,
-    q, z) history and delta, JSON through `to_json`/`from_json` (the coordinator's checkpoint)."""
+    `sampling` must be the selection actually used (dp_event): "fixed" for fedper.selection's M devices out
+    of N (a uniformly random set only while its seed is secret), "poisson" for independent coins or every
+    device (q = 1). Subsampling discounts nothing for a device whose rounds are known: then the bound is that
+    of its own rounds at q = 1. `accounting` "rdp" (Rényi DP, Mironov 2017, as TF Privacy and the DP-FedAvg
+    paper) is fast whatever the number of rounds; "pld" (privacy loss distributions) is tighter and slower,
+    and has no bound for "fixed". The state is the (rounds, q, z) history, delta and the sampling, JSON
+    through `to_json`/`from_json` (the coordinator's checkpoint)."""
 
     delta: float
     accounting: Accounting = "rdp"
     history: list[tuple[int, float, float]] = field(default_factory=list)
+    sampling: Sampling = "poisson"
 
     def __post_init__(self) -> None:
         if not 0 < self.delta < 1:
             raise ValueError(f"delta must be in (0, 1), got {self.delta}")
         if self.accounting not in ("rdp", "pld"):
             raise ValueError(f"accounting must be 'rdp' or 'pld', got {self.accounting!r}")
+        if self.sampling not in ("poisson", "fixed"):
+            raise ValueError(f"sampling must be 'poisson' or 'fixed', got {self.sampling!r}")
+        if self.sampling == "fixed" and self.accounting == "pld":
+            raise ValueError("dp-accounting's PLD accountant has no bound for sampling without replacement: "
+                             "use accounting 'rdp'")
         self.history = [_segment(*entry) for entry in self.history]
 
     @property
@@ -341,34 +376,36 @@ class PrivacyAccountant:
 
     def epsilon(self) -> float:
         """Epsilon at `delta` after the recorded rounds (0 before any, inf if a round had no noise)."""
-        return _epsilon(self.history, self.delta, self.accounting)
+        return _epsilon(self.history, self.delta, self.accounting, self.sampling)
 
     def projected_epsilon(self, sampling_rate: float, noise_multiplier: float, rounds: int = 1) -> float:
         """Epsilon after `rounds` more (q, z) rounds, without recording them: ask before running a round."""
         return _epsilon([*self.history, _segment(rounds, sampling_rate, noise_multiplier)], self.delta,
-                        self.accounting)
+                        self.accounting, self.sampling)
 
     def to_json(self) -> str:
-        return json.dumps({"delta": self.delta, "accounting": self.accounting,
+        return json.dumps({"delta": self.delta, "accounting": self.accounting, "sampling": self.sampling,
                            "history": [list(entry) for entry in self.history]})
 
     @classmethod
     def from_json(cls, text: str) -> PrivacyAccountant:
         body = json.loads(text)
-        return cls(delta=float(body["delta"]), accounting=body["accounting"],
-                   history=[tuple(entry) for entry in body["history"]])
+        return cls(delta=float(body["delta"]), accounting=body["accounting"],  # before "sampling": Poisson
+                   history=[tuple(entry) for entry in body["history"]], sampling=body.get("sampling", "poisson"))
 
 
 def noise_multiplier_for(target_epsilon: float, delta: float, sampling_rate: float, rounds: int,
-                         accounting: Accounting = "rdp") -> float:
+                         accounting: Accounting = "rdp", sampling: Sampling = "poisson") -> float:
     """The smallest noise multiplier z whose `rounds` (q, z) rounds spend at most `target_epsilon` at `delta`
     (dp-accounting's calibration, to 1e-3 in z): plan a run from its budget instead of guessing z."""
-    from dp_accounting import mechanism_calibration, pld, rdp
+    from dp_accounting import mechanism_calibration
 
     rounds, q, _ = _segment(rounds, sampling_rate, 1.0)
-    fresh = rdp.RdpAccountant if accounting == "rdp" else pld.PLDAccountant
+    PrivacyAccountant(delta, accounting, sampling=sampling)  # validates the pair
     z = mechanism_calibration.calibrate_dp_mechanism(
-        fresh, lambda z: dp_event([(rounds, q, z)]), _positive("target_epsilon", target_epsilon), delta, tol=1e-3)
+        lambda: _fresh_accountant(accounting, sampling), lambda z: dp_event([(rounds, q, z)], sampling),
+        _positive("target_epsilon", target_epsilon), delta, tol=1e-3,
+        bracket_interval=mechanism_calibration.LowerEndpointAndGuess(1e-3, 1.0))  # z = 0 has no WOR bound
     return float(z)
 
 

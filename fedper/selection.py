@@ -10,6 +10,15 @@ with the smallest keys. Why a keyed hash rather than a random generator seeded p
 - it needs no per-device randomness drawn in a fixed order (a generator's draw for a device would
   depend on its position in the list), so any implementation, in any language, reproduces it from
   the ids alone. `heapq.nsmallest` keeps it O(N log k).
+
+The seed is a secret of the coordinator (`new_seed`, kept in its state, never sent): whoever knows it
+and the ids knows every device's future rounds. A device must not learn when it will be asked (it could
+be ready with a crafted update, or be away on purpose), and under DP the accountant's subsampling
+discount holds only for a selection nobody can predict: with the rounds of a device known, its epsilon is
+that of its own rounds, unsampled (docs/privacy.md). With a secret seed the keys are a uniformly random
+ranking, so a round's M invitations among N candidates are a uniformly random M-subset: sampling without
+replacement, which `fedper.privacy.PrivacyAccountant(sampling="fixed")` accounts. `check_seed` refuses a
+seed too small to be secret; the emulator, which has no device to hide from, uses its run's seed.
 """
 
 from __future__ import annotations
@@ -17,10 +26,27 @@ from __future__ import annotations
 import hashlib
 import heapq
 import math
+import secrets
 from collections.abc import Iterable
 from fractions import Fraction
 
 DOMAIN = b"fedper-selection-v1"  # keys of this rule never collide with another use of SHA-256 on the same ids
+SEED_BITS = 128  # a secret seed's size: out of reach of guessing, as the DP noise secret
+MIN_SECRET_SEED = 1 << 64  # below it a seed is a small number someone chose, not a secret drawn at random
+
+
+def new_seed() -> int:
+    """A fresh secret selection seed, from the operating system's CSPRNG (keep it in the coordinator's state)."""
+    return secrets.randbits(SEED_BITS) | MIN_SECRET_SEED  # at least MIN_SECRET_SEED: check_seed accepts it
+
+
+def check_seed(seed: int) -> int:
+    """`seed` if it can be a secret (an int of at least 65 bits, at most SEED_BITS), else ValueError: a seed
+    such as 0 or 42 lets anyone who knows the device ids compute who is invited to every round."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not MIN_SECRET_SEED <= seed < 1 << SEED_BITS:
+        raise ValueError("a selection seed must be secret: use fedper.selection.new_seed(), not a chosen number "
+                         "(anyone who knows it and the device ids knows every device's future rounds)")
+    return seed
 
 
 def invitations(clients_per_round: int, over_select: float) -> int:

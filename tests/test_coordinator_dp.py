@@ -18,8 +18,10 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import dp_accounting
 import numpy as np
 import pytest
+from dp_accounting import rdp
 from helpers.legacy_state import rewrite_as_earlier
 from helpers.processes import run_fleet
 from safetensors.numpy import load_file
@@ -194,10 +196,13 @@ def test_epsilon_is_reported_each_round_and_grows_in_metrics_the_state_message_a
     assert metrics.registry.get_sample_value("fedper_dp_epsilon") == epsilons[-1]
 
 
-def test_sampling_rate_is_invited_over_registered_with_clients_per_round(tmp_path: Path) -> None:
+def test_sampling_rate_is_invited_over_eligible_and_accounted_without_replacement(tmp_path: Path) -> None:
+    """Issue 26: the round draws 1 of the 4 online devices (2 more are registered but offline, so they could
+    not be drawn): q = 1/4, sampling without replacement, replace-one neighbours (the clipped sum moves by
+    up to 2C), written out here for dp-accounting's RDP accountant."""
     c = make(tmp_path, clients_per_round=1, rounds=2)
     devices = ["a", "b", "c", "d"]
-    register(c, devices)
+    register(c, [*devices, "e", "f"])
     for device in devices:
         c.handle(f"{BASE}/presence/{device}", b"online", 0.6)
     c.tick(0.7)  # invites one of the four
@@ -206,7 +211,9 @@ def test_sampling_rate_is_invited_over_registered_with_clients_per_round(tmp_pat
     close(c)
     dp = records(tmp_path)[0]["dp"]
     assert dp["sampling_rate"] == 0.25 and dp["expected_participants"] == 1.0
-    assert dp["epsilon"] == pytest.approx(PrivacyAccountant(1e-5).projected_epsilon(0.25, 1.0))
+    library = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    library.compose(dp_accounting.SampledWithoutReplacementDpEvent(4, 1, dp_accounting.GaussianDpEvent(1.0 / 2)))
+    assert dp["epsilon"] == pytest.approx(library.get_epsilon(1e-5), rel=1e-9)
 
 
 @pytest.mark.parametrize("action", ["stop", "warn"])

@@ -458,15 +458,32 @@ def test_the_round_closes_at_m_accepted_updates_and_clears_its_invitations(tmp_p
     assert json.loads(c.state_message(3.0).payload)["invited"] == 3
 
 
+def test_without_a_seed_the_ranking_is_a_fresh_secret_and_dp_refuses_a_chosen_one(tmp_path: Path) -> None:
+    """Issue 26: the default seed was a public 0, so the ids alone told every device its future rounds."""
+    from fedper.selection import check_seed, select
+
+    seeds = []
+    for name in ("a", "b"):
+        c = make(tmp_path / name, clients_per_round=3, min_clients=1)
+        fleet(c, DEVICES)
+        invited = sorted(invited_in(c.start(0.0)))
+        seeds.append(json.loads((tmp_path / name / "state.json").read_text())["round"]["selection"]["seed"])
+        assert check_seed(seeds[-1]) and invited == sorted(select(DEVICES, 3, seed=seeds[-1], round_=1))
+    assert seeds[0] != seeds[1]  # drawn per coordinator with `secrets`, in its state only
+    with pytest.raises(ValueError, match="secret"):
+        make(tmp_path / "dp", clients_per_round=3, min_clients=1, selection_seed=5, dp_noise_multiplier=1.0,
+             clip_norm=1.0)
+
+
 def test_devices_that_come_online_top_the_round_up_to_its_invitations(tmp_path: Path) -> None:
     from fedper.selection import select
 
-    c = make(tmp_path, clients_per_round=3, min_clients=1)
+    c = make(tmp_path, clients_per_round=3, min_clients=1, selection_seed=11)
     fleet(c, DEVICES[:1])
     assert sorted(invited_in(c.start(0.0))) == DEVICES[:1]  # fewer online than invitations: those there are
     fleet(c, DEVICES[1:8], now=1.0)  # come online within one interval: ranked together
     topped = invited_in(c.tick(1.0))
-    assert sorted(topped) == sorted(select(DEVICES[1:8], 2, seed=0, round_=1))
+    assert sorted(topped) == sorted(select(DEVICES[1:8], 2, seed=11, round_=1))
     fleet(c, DEVICES[8:], now=2.0)
     assert invited_in(c.tick(2.0)) == {} and len(c.round.invited) == 3  # full
     state = json.loads((tmp_path / "state.json").read_text())

@@ -51,11 +51,14 @@ def broker(tmp_path_factory):
     folder = tmp_path_factory.mktemp("deploy")
     make_tls(folder)
     passwords = {}
-    for user in ("coordinator", "dev-a", "dev-b", "dev-c"):
-        out = subprocess.run([str(DEPLOY / "provision-device.sh"), user, str(folder / "passwd")],
-                             check=True, capture_output=True, text=True).stdout
-        passwords[user] = dict(line.split("=", 1) for line in out.split())["FEDPER_PASSWORD"]
     shutil.copy(DEPLOY / "mosquitto" / "acl", folder / "acl")
+    # two fleets on one broker: lab (its coordinator, dev-a/b/c) and farm (its coordinator, dev-x/y)
+    for *role, user, fleet in (("--coordinator", "coordinator", "lab"), ("dev-a", "lab"), ("dev-b", "lab"),
+                               ("dev-c", "lab"), ("--coordinator", "coordinator-farm", "farm"), ("dev-x", "farm"),
+                               ("dev-y", "farm")):
+        out = subprocess.run([str(DEPLOY / "provision-device.sh"), *role, user, fleet, str(folder / "passwd"),
+                              str(folder / "acl")], check=True, capture_output=True, text=True).stdout
+        passwords[user] = dict(line.split("=", 1) for line in out.split())["FEDPER_PASSWORD"]
     port = free_port()
     conf = []
     for line in (DEPLOY / "mosquitto" / "fedper.conf").read_text().splitlines():
@@ -81,7 +84,8 @@ def broker(tmp_path_factory):
             if proc.poll() is not None:
                 pytest.fail(f"mosquitto exited: {proc.stderr.read().decode()}")
             time.sleep(0.05)
-    yield {"port": port, "ca": folder / "ca.crt", "passwords": passwords, "log": folder / "mosquitto.log"}
+    yield {"port": port, "ca": folder / "ca.crt", "passwords": passwords, "log": folder / "mosquitto.log",
+           "acl": folder / "acl"}
     proc.kill()
     proc.wait()
 
@@ -163,11 +167,24 @@ def test_tls_client_without_the_ca_fails(broker, tmp_path) -> None:
 
 
 def test_provisioning_rejects_ids_that_are_not_topic_safe(tmp_path) -> None:
-    result = subprocess.run([str(DEPLOY / "provision-device.sh"), "dev/+", str(tmp_path / "passwd")],
-                            capture_output=True, text=True)
-    assert result.returncode == 2
-    assert "device id must match" in result.stderr
-    assert not (tmp_path / "passwd").exists()
+    files = [str(tmp_path / "passwd"), str(tmp_path / "acl")]
+    for args, complaint in ((["dev/+", "lab", *files], "device id must match"),
+                            (["dev-a", "lab/#", *files], "fleet must match"), (["dev-a"], "usage")):
+        result = subprocess.run([str(DEPLOY / "provision-device.sh"), *args], capture_output=True, text=True)
+        assert result.returncode != 0 and complaint in result.stderr, (args, result.stderr)
+        assert not (tmp_path / "passwd").exists() and not (tmp_path / "acl").exists()
+
+
+def test_provisioning_again_replaces_the_block_and_can_move_a_device(tmp_path) -> None:
+    """Rotation leaves one block per id (dev-1 is not dev-10's prefix); a move rebinds it to the new fleet."""
+    acl = tmp_path / "acl"
+    for user, fleet in (("dev-1", "lab"), ("dev-10", "lab"), ("dev-1", "lab"), ("dev-1", "farm")):
+        subprocess.run([str(DEPLOY / "provision-device.sh"), user, fleet, str(tmp_path / "passwd"), str(acl)],
+                       check=True, capture_output=True)
+    text = acl.read_text()
+    assert text.count("user dev-1\n") == 1 and text.count("user dev-10\n") == 1
+    assert "topic write fedper/v1/farm/update/dev-1\n" in text and "fedper/v1/lab/update/dev-1\n" not in text
+    assert "+" not in text and "%" not in text  # no wildcard fleet, no pattern shared by all users
 
 
 def test_the_broker_opens_only_the_tls_listener(broker) -> None:
@@ -227,20 +244,30 @@ def arrive(inbox: list, message: tuple[str, bytes], seconds: float = 10.0) -> No
 
 
 def test_coordinator_and_agent_run_through_the_deploy_broker_while_another_device_steals_their_ids(
-        broker, tmp_path: Path, tiny_artifacts: Path, processes: Processes) -> None:
+        broker, tmp_path: Path, tiny_artifacts: Path, processes: Processes, monkeypatch: pytest.MonkeyPatch) -> None:
     """The real coordinator and a real agent (user name = device id, as deploy/README.md says)
     finish a 2-round run over TLS through the shipped configuration, while dev-c keeps connecting
     with their client ids: neither loses its broker, the coordinator's state never says
-    `offline`, and both of the agent's updates are folded."""
+    `offline`, and both of the agent's updates are folded. Neither has its password on its command
+    line (issue 26): the coordinator reads it from a credentials directory, as the unit's LoadCredential
+    gives it, the agent from FEDPER_MQTT_PASSWORD_FILE."""
     url, ca = f"mqtts://127.0.0.1:{broker['port']}", str(broker["ca"])
     pw = broker["passwords"]
     state_dir = tmp_path / "coordinator"
+    (tmp_path / "credentials").mkdir()
+    (tmp_path / "credentials" / "mqtt-password").write_text(pw["coordinator"] + "\n")
+    (tmp_path / "dev-a.password").write_text(pw["dev-a"])
+    monkeypatch.delenv("FEDPER_MQTT_PASSWORD", raising=False)
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(tmp_path / "credentials"))
     coordinator = processes.start("coordinator", *coordinator_args(
-        tiny_artifacts, url, state_dir, "lab", 2, 1, 60, "--username", "coordinator", "--password",
-        pw["coordinator"], "--tls-ca", ca))
+        tiny_artifacts, url, state_dir, "lab", 2, 1, 60, "--username", "coordinator", "--tls-ca", ca))
+    monkeypatch.delenv("CREDENTIALS_DIRECTORY")
+    monkeypatch.setenv("FEDPER_MQTT_PASSWORD_FILE", str(tmp_path / "dev-a.password"))
     data = write_device_data(tmp_path / "a.npz", (0, 1), 40)
     agent = processes.start("dev-a", *agent_args(tiny_artifacts, data, url, "lab", "dev-a", tmp_path / "dev-a",
-                                                "--username", "dev-a", "--password", pw["dev-a"], "--tls-ca", ca))
+                                                "--username", "dev-a", "--tls-ca", ca))
+    for proc, user in ((coordinator, "coordinator"), (agent, "dev-a")):
+        assert pw[user].encode() not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
     observer, states_seen, _ = connect(broker, "dev-b")
     observer.subscribe(f"{FLEET}/state", qos=1)
     thefts = 0
@@ -264,3 +291,56 @@ def test_coordinator_and_agent_run_through_the_deploy_broker_while_another_devic
         assert "lost the broker" not in processes.log(name), processes.log(name)
     records = [json.loads(line) for line in (state_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["participants"] for r in records] == [1, 1]
+
+
+def mosquitto_client(tool: str, broker, user: str, *args: str, seconds: float = 10) -> subprocess.CompletedProcess:
+    """mosquitto_pub / mosquitto_sub (third-party clients) logged in as `user` over the broker's TLS."""
+    return subprocess.run([tool, "-h", "127.0.0.1", "-p", str(broker["port"]), "--cafile", str(broker["ca"]),
+                           "-u", user, "-P", broker["passwords"][user], "-V", "mqttv5", *args],
+                          capture_output=True, text=True, timeout=seconds)
+
+
+def test_fleets_on_one_broker_stay_apart(broker) -> None:
+    """Issue 26: with `+` at the fleet level a device of one fleet read another's round and model and
+    registered there. Credentials are now bound to a fleet (provision-device.sh writes the ACL): farm's
+    devices, with mosquitto_sub on `#` and the lab's topics, get only farm's retained round, state and model
+    chunk, and what they publish under lab's topics reaches nobody, while farm's coordinator gets their
+    registration; lab's device likewise sees only lab, and each coordinator only its own fleet."""
+    fleets = {"lab": "coordinator", "farm": "coordinator-farm"}
+    coordinators = {fleet: connect(broker, user) for fleet, user in fleets.items()}
+    retained = [f"fedper/v1/{fleet}/{leaf}" for fleet in fleets for leaf in ("round", "state", "model/r1/0")]
+    try:
+        for fleet, (client, _, rc) in coordinators.items():
+            assert not rc.is_failure
+            client.subscribe("fedper/v1/#", qos=1)  # a coordinator too gets only its own fleet
+            for topic in retained:
+                if topic.startswith(f"fedper/v1/{fleet}/"):
+                    client.publish(topic, f"{fleet} says".encode(), qos=1, retain=True).wait_for_publish(5)
+        for user, own, other in (("dev-x", "farm", "lab"), ("dev-a", "lab", "farm")):
+            heard = mosquitto_client("mosquitto_sub", broker, user, "-F", "%t", "-q", "1", "-W", "2", "-t", "#",
+                                     "-t", f"fedper/v1/{other}/#", "-t", f"fedper/v1/{other}/round",
+                                     "-t", f"fedper/v1/{other}/model/#", "-t", "fedper/v1/+/state")
+            assert "not authori" not in heard.stderr.lower() and "error" not in heard.stderr.lower(), heard.stderr
+            topics = set(heard.stdout.splitlines())  # the topics only: earlier tests left binary model chunks
+            assert {t for t in retained if t.startswith(f"fedper/v1/{own}/")} <= topics, heard
+            assert all(t.startswith(f"fedper/v1/{own}/") for t in topics), heard
+        for topic in ("register/dev-y", "presence/dev-y", "update/dev-y", "secagg/dev-y"):
+            for fleet in fleets:
+                sent = mosquitto_client("mosquitto_pub", broker, "dev-y", "-q", "1", "-t", f"fedper/v1/{fleet}/{topic}",
+                                        "-m", f"dev-y to {fleet}")
+                assert fleet != "farm" or sent.returncode == 0, sent.stderr
+        for fleet, (_, inbox, _) in coordinators.items():
+            settle(inbox, 99, 1.0)
+            heard = {topic for topic, _ in inbox}
+            assert heard and all(topic.startswith(f"fedper/v1/{fleet}/") for topic in heard), (fleet, heard)
+        assert not [m for m in coordinators["lab"][1] if m[1] == b"dev-y to lab"]  # farm's device reached no one
+        farm_heard = {(t, p) for t, p in coordinators["farm"][1]}
+        assert {(f"fedper/v1/farm/{leaf}", b"dev-y to farm") for leaf in
+                ("register/dev-y", "presence/dev-y", "update/dev-y", "secagg/dev-y")} <= farm_heard
+    finally:
+        for fleet, (client, _, _) in coordinators.items():
+            for topic in retained:
+                if topic.startswith(f"fedper/v1/{fleet}/"):
+                    client.publish(topic, b"", qos=1, retain=True).wait_for_publish(5)
+            client.loop_stop()
+            client.disconnect()

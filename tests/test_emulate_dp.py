@@ -7,8 +7,10 @@ import dataclasses
 import json
 import math
 
+import dp_accounting
 import pytest
 import torch
+from dp_accounting import rdp
 from test_emulate import TINY, digits_config, synthetic
 from typer.testing import CliRunner
 
@@ -59,9 +61,10 @@ def test_the_dp_aggregate_is_privacys_dpfedavg_on_the_same_updates_and_seed():
     assert dp["sampling_rate"] == 1.0 and dp["clip_norm"] == 0.5 and 0 <= dp["unclipped"] <= 3
 
 
-def test_epsilon_grows_each_round_as_the_accountant_says_at_q_m_over_n():
-    """Two of four clients a round: the accountant's q is 2/4, and each round's epsilon is PrivacyAccountant's
-    for that many (q, z) rounds."""
+def test_epsilon_grows_each_round_as_sampling_two_of_four_without_replacement():
+    """Two of four clients a round, drawn without replacement as the coordinator draws them: each round's
+    epsilon is that of k such rounds written out for dp-accounting's replace-one RDP accountant (the clipped
+    sum moves by up to 2C when one client's data is replaced, so the Gaussian's multiplier is z / 2)."""
     data = synthetic([10, 10, 10, 10])
     fleet = Fleet(FleetConfig(algorithm="fedper", kp=1, clients_per_round=2, dp_delta=1e-4, **TINY, **DP), data)
     state, epsilons = fleet.init(), []
@@ -71,10 +74,12 @@ def test_epsilon_grows_each_round_as_the_accountant_says_at_q_m_over_n():
         epsilons.append(metrics["dp"]["epsilon"])
     assert epsilons[0] < epsilons[1] < epsilons[2]
     for rounds, epsilon in enumerate(epsilons, start=1):
-        accountant = PrivacyAccountant(1e-4)
-        accountant.record(0.5, 1.0, rounds)
-        assert epsilon == pytest.approx(accountant.epsilon(), rel=1e-12)
+        library = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+        library.compose(dp_accounting.SelfComposedDpEvent(
+            dp_accounting.SampledWithoutReplacementDpEvent(4, 2, dp_accounting.GaussianDpEvent(1.0 / 2)), rounds))
+        assert epsilon == pytest.approx(library.get_epsilon(1e-4), rel=1e-9)
     assert state.privacy is not None and state.privacy.accountant.history == [(3, 0.5, 1.0)]
+    assert state.privacy.accountant.sampling == "fixed"
 
 
 def test_without_noise_or_clipping_the_dp_rule_is_the_plain_mean():

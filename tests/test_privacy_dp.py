@@ -23,6 +23,7 @@ from fedper.privacy import (
     dp_event,
     expected_weight,
     noise_multiplier_for,
+    prepare_release,
     private_tensor_names,
     round_generator,
 )
@@ -227,19 +228,57 @@ def test_adaptive_clipping_moves_c_to_the_target_quantile(start: float) -> None:
                   seed=round_index)
         for norm in np.exp(rng.normal(0.0, 0.5, devices)):
             dp.add(update_of_norm(reference, float(norm), rng), 1)
-        adaptive.step(dp.unclipped, devices, rng)
+        adaptive.step(dp.unclipped, dp.count, devices, rng)
     assert adaptive.clip_norm == pytest.approx(1.0, rel=0.25)  # the median of exp(N(0, 0.5^2)) is 1
     restored = AdaptiveClipping.from_json(adaptive.to_json())
     assert restored == adaptive
 
 
-def test_adaptive_clipping_keeps_the_total_noise_multiplier() -> None:
-    adaptive = AdaptiveClipping(clip_norm=1.0, count_noise_std=5.0)
-    z_update = adaptive.update_noise_multiplier(1.0)
-    assert z_update > 1.0
-    assert z_update ** -2 + (2 * 5.0) ** -2 == pytest.approx(1.0)
-    with pytest.raises(ValueError, match="count_noise_std"):
-        AdaptiveClipping(clip_norm=1.0, count_noise_std=0.5).update_noise_multiplier(1.0)
+def _noisy_fraction(unclipped: int, folded: int, m: int, count_std: float, seed: int) -> float:
+    """The fraction `step` used, read back from the clip norm it moved to: with learning rate 1 and target 0,
+    C' = C * exp(-fraction)."""
+    clipping = AdaptiveClipping(clip_norm=1.0, target_quantile=0.0, learning_rate=1.0, count_noise_std=count_std)
+    return -math.log(clipping.step(unclipped, folded, m, np.random.default_rng(seed)))
+
+
+def test_adaptive_clipping_epsilon_is_that_of_the_mechanism_it_runs() -> None:
+    """Issue 26: 10 devices, all every round, z = 1, 50 rounds. The released queries are measured from the
+    code's outputs (not its formula): the sum's noise multiplier (noise std over the clip norm, its add/remove
+    sensitivity) and the count's noise over how far one device more moves it. dp-accounting then composes
+    the two Gaussian mechanisms as separate events, and the accountant's epsilon for z must be that.
+    With a 0/1 bit (sensitivity 1, the bug) the same composition gives the issue's 86.7, not 57.3."""
+    m, z, rounds = 10, 1.0, 50
+    clipping = AdaptiveClipping(clip_norm=1.0)
+    release = rule({"w": np.zeros(4, np.float32)}, clip=1.0, z=z, m=1.0)
+    release.add({"w": np.ones(4, np.float32)}, 1)
+    prepare_release(release, m, z, clipping)
+    sum_multiplier = release.noise_std * release.expected_weight / release.clip_norm
+    count_std = clipping.count_noise_std
+    base = _noisy_fraction(5, 10, m, count_std, seed=3)
+    assert 0 < base < 1 and base - 0.5 == pytest.approx(np.random.default_rng(3).normal(0, count_std) / m)
+    moves = [abs(_noisy_fraction(5 + bit, 11, m, count_std, seed=3) - base) * m for bit in (0, 1)]
+    assert moves == pytest.approx([0.5, 0.5])  # one device more moves the count by 1/2, clipped or not
+    # replace-one (sampling "fixed"): one device's bit flipped moves it by 1, twice 1/2, as the sum's 2C is
+    # twice C, so the pair is still one Gaussian, at half the multiplier: what dp_event's z / 2 accounts
+    assert abs(_noisy_fraction(6, 10, m, count_std, seed=3) - base) * m == pytest.approx(1.0)
+
+    def true_epsilon(count_sensitivity: float) -> float:
+        accountant = rdp.RdpAccountant()
+        accountant.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.ComposedDpEvent([
+            dp_accounting.GaussianDpEvent(sum_multiplier),
+            dp_accounting.GaussianDpEvent(count_std / count_sensitivity)]), rounds))
+        return accountant.get_epsilon(1e-5)
+
+    reported = PrivacyAccountant(1e-5, history=[(rounds, 1.0, z)]).epsilon()
+    assert reported == pytest.approx(true_epsilon(max(moves)), rel=1e-6)
+    assert round(reported, 1) == 57.3 and round(true_epsilon(1.0), 1) == 86.7
+
+
+def test_adaptive_clipping_clamps_the_fraction_and_checks_the_count() -> None:
+    assert _noisy_fraction(0, 10, 10, 1e-9, seed=0) == pytest.approx(0.0, abs=1e-9)
+    assert _noisy_fraction(10, 10, 10, 50.0, seed=0) in (0.0, 1.0)  # noise 50 on a count of 10: clamped
+    with pytest.raises(ValueError, match="unclipped"):
+        AdaptiveClipping(clip_norm=1.0).step(3, 2, 10, np.random.default_rng(0))
 
 
 # ---------------------------------------------------------------- accountant
@@ -266,6 +305,46 @@ def test_accountant_matches_the_published_dp_sgd_value() -> None:
     assert 2.0 < eps < 3.01
     pld_eps = PrivacyAccountant(delta=1e-5, accounting="pld", history=accountant.history).epsilon()
     assert 2.0 < pld_eps < eps
+
+
+def test_fixed_size_selection_is_accounted_without_replacement_at_its_replace_one_sensitivity() -> None:
+    """Issue 26: 1,000 rounds inviting M = 10 of N = 1,000 (fedper.selection's fixed-size draw), z = 1.
+    Replacing one device's update moves the clipped sum by 2C (measured on DPFedAvg below), so the event,
+    written out by hand for dp-accounting's REPLACE_ONE RDP accountant, is sampling without replacement of
+    the Gaussian mechanism at multiplier z C / 2C. Poisson sampling at q = 0.01 would report 2.1."""
+    reference = {"w": np.zeros(3, np.float32)}
+    sums = []
+    for sign in (1, -1):
+        one = rule(reference, clip=1.0)
+        one.add({"w": np.array([5 * sign, 0, 0], np.float32)}, 1)
+        sums.append(one.sums()["w"])
+    sensitivity = float(np.linalg.norm(sums[0] - sums[1]))
+    assert sensitivity == pytest.approx(2.0)
+    library = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    library.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.SampledWithoutReplacementDpEvent(
+        1000, 10, dp_accounting.GaussianDpEvent(1.0 / sensitivity)), 1000))
+    fixed = PrivacyAccountant(1e-5, history=[(1000, 10 / 1000, 1.0)], sampling="fixed")
+    assert fixed.epsilon() == pytest.approx(library.get_epsilon(1e-5), rel=1e-9)
+    poisson = PrivacyAccountant(1e-5, history=[(1000, 0.01, 1.0)]).epsilon()
+    assert round(poisson, 1) == 2.1 and fixed.epsilon() > 9 * poisson
+    assert PrivacyAccountant.from_json(fixed.to_json()) == fixed
+    old = json.loads(fixed.to_json())
+    del old["sampling"]  # a checkpoint written before the field: it was accounted as Poisson
+    assert PrivacyAccountant.from_json(json.dumps(old)).sampling == "poisson"
+    with pytest.raises(ValueError, match="PLD"):
+        PrivacyAccountant(1e-5, accounting="pld", sampling="fixed")
+    z = noise_multiplier_for(5.0, 1e-5, 0.01, 100, sampling="fixed")
+    assert PrivacyAccountant(1e-5, history=[(100, 0.01, z)], sampling="fixed").epsilon() <= 5.0
+    assert PrivacyAccountant(1e-5, history=[(100, 0.01, z - 0.01)], sampling="fixed").epsilon() > 5.0
+
+
+def test_a_device_whose_rounds_are_known_gets_no_subsampling_discount() -> None:
+    """Issue 26: with a public seed, a device's 10 rounds of those 1,000 are known: its epsilon is that of 10
+    unsampled Gaussian rounds, about 19. Hand bound: Gaussian RDP 10 * a / (2 z^2) with the classic
+    conversion min_a rdp(a) + log(1/delta) / (a - 1) (Mironov 2017), which dp-accounting tightens."""
+    known = PrivacyAccountant(1e-5, history=[(10, 1.0, 1.0)]).epsilon()
+    hand = min(10 * a / 2 + math.log(1e5) / (a - 1) for a in np.linspace(1.01, 20, 4000))
+    assert round(known) == 19 and known < hand < 1.1 * known
 
 
 def test_epsilon_grows_with_rounds_and_falls_with_noise() -> None:

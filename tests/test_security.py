@@ -34,16 +34,18 @@ DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 
 @pytest.fixture
 def acl_broker(mosquitto_factory, tmp_path: Path):  # type: ignore[no-untyped-def]
-    """Mosquitto with deploy/mosquitto/acl as shipped and passwords made by deploy/provision-device.sh."""
+    """Mosquitto with deploy/mosquitto/acl as shipped, and the passwords and ACL blocks made by
+    deploy/provision-device.sh."""
     if shutil.which("mosquitto_passwd") is None:
         pytest.skip("mosquitto_passwd not installed")
     passwords = {}
-    for user in ("coordinator", "dev-a", "dev-b"):
-        out = subprocess.run([str(DEPLOY / "provision-device.sh"), user, str(tmp_path / "passwd")], check=True,
-                             capture_output=True, text=True).stdout
+    shutil.copy(DEPLOY / "mosquitto" / "acl", tmp_path / "acl")
+    for *role, user in (("--coordinator", "coordinator"), ("dev-a",), ("dev-b",)):
+        out = subprocess.run([str(DEPLOY / "provision-device.sh"), *role, user, TOPICS.fleet, str(tmp_path / "passwd"),
+                              str(tmp_path / "acl")], check=True, capture_output=True, text=True).stdout
         passwords[user] = dict(line.split("=", 1) for line in out.split())["FEDPER_PASSWORD"]
     broker = mosquitto_factory(f"allow_anonymous false\npassword_file {tmp_path / 'passwd'}\n"
-                               f"acl_file {DEPLOY / 'mosquitto' / 'acl'}")
+                               f"acl_file {tmp_path / 'acl'}")
     return broker, passwords
 
 

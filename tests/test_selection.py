@@ -19,7 +19,7 @@ from test_coordinator_live import TOPICS, Device, metrics, run_in_thread, wait_f
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
 from fedper.mqtt import connect_async, make_client, parse_broker_url
-from fedper.selection import invitations, select, selection_key
+from fedper.selection import check_seed, invitations, new_seed, select, selection_key
 from fedper.wire import Invitation, Register, RoundInfo, Topics, WireError
 
 DEVICES = [f"dev-{i:05d}" for i in range(1000)]
@@ -53,6 +53,23 @@ def test_every_device_is_invited_about_its_share_of_rounds() -> None:
     counts = Counter(d for r in range(1, 1001) for d in select(fleet, 10, seed=0, round_=r))
     assert set(counts) == set(fleet)
     assert min(counts.values()) >= 50 and max(counts.values()) <= 160  # expected 100 each (binomial sd ~9.5)
+
+
+def test_a_secret_seed_is_drawn_fresh_and_a_chosen_number_is_refused() -> None:
+    """Issue 26: with the public default 0 anyone who knows the ids computes every device's rounds."""
+    seeds = {new_seed() for _ in range(64)}
+    assert len(seeds) == 64 and all(check_seed(seed) == seed for seed in seeds)
+    for guessable in (0, 42, 2 ** 63, 2 ** 128, -5, True, 1.5e30, str(2 ** 100)):
+        with pytest.raises(ValueError, match="secret"):
+            check_seed(guessable)  # type: ignore[arg-type]
+
+
+def test_with_a_secret_seed_a_round_is_a_uniformly_random_subset() -> None:
+    """What PrivacyAccountant(sampling="fixed") assumes: over fresh secret seeds, 2 of 6 devices are each of
+    the 15 pairs equally often (3,000 draws: 200 expected, sd ~14)."""
+    fleet = DEVICES[:6]
+    pairs = Counter(frozenset(select(fleet, 2, seed=new_seed(), round_=1)) for _ in range(3000))
+    assert len(pairs) == 15 and all(140 <= n <= 260 for n in pairs.values())
 
 
 @pytest.mark.parametrize("m, f, expected", [(100, 1.0, 100), (100, 1.1, 110), (100, 1.3, 130), (7, 1.5, 11),

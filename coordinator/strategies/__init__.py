@@ -36,7 +36,8 @@ def _budget(config: Config) -> PrivacyBudget | None:
     if dp.noise_multiplier is None:
         return None
     budget = PrivacyBudget(dp.noise_multiplier, dp.delta, dp.target_epsilon, dp.budget_action,
-                           float(config.aggregation.clip_norm or 0), dp.adaptive_quantile)
+                           float(config.aggregation.clip_norm or 0), dp.adaptive_quantile,
+                           sampling="fixed" if config.selection.clients_per_round else "poisson")
     if not config.selection.clients_per_round:
         budget.check_first_round()
     return budget

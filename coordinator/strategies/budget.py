@@ -26,12 +26,12 @@ class PrivacyBudget:
     """Epsilon spent so far at `delta`, checked against `target_epsilon` before each round opens."""
 
     def __init__(self, noise_multiplier: float, delta: float, target_epsilon: float | None, action: str,
-                 clip_norm: float, adaptive_quantile: float | None = None) -> None:
+                 clip_norm: float, adaptive_quantile: float | None = None, sampling: str = "poisson") -> None:
         self.noise_multiplier, self.delta = noise_multiplier, delta
         self.target_epsilon, self.action = target_epsilon, action
         self.clip_norm = clip_norm  # the fixed clip norm, or adaptive clipping's start
         self.secret = secrets.randbits(128)  # a resumed run replaces it with its own
-        self.accountant = PrivacyAccountant(delta)
+        self.accountant = PrivacyAccountant(delta, sampling=sampling)  # "fixed": M of the online, docs/privacy.md
         try:
             self.accountant.epsilon()  # imports dp-accounting now rather than at the first round's close
         except ImportError as e:

@@ -69,7 +69,8 @@ class CentralDP(Mean):
                                       release, len(self.fleet.registered), last)
         self.stopped = self.budget.stopped
         if self.budget.clipping is not None:  # the count's noise comes from the round's generator, after the model's
-            figures["next_clip_norm"] = self.budget.clipping.step(rule.unclipped, rule.expected_weight, rule.rng)
+            figures["next_clip_norm"] = self.budget.clipping.step(rule.unclipped, rule.count, rule.expected_weight,
+                                                                  rule.rng)
         return {"dp": figures}
 
     @property
