@@ -96,36 +96,14 @@ app.callback(invoke_without_command=True)(_command)
 
 
 def run(service: Service, options: dict[str, Any]) -> None:
-    """Build the engine from the options (exit 2 on a bad one), then serve."""
-    from fedper.artifacts import BASE_FILE
-    from fedper.coordinator.engine import Coordinator
-    from fedper.coordinator.store import CheckpointError, Store
-    from fedper.manifest import Manifest, ManifestError
-    from fedper.mqtt import PROTOCOLS, BrokerRefused, BrokerUrl, parse_broker_url
-    from fedper.payload import decode_shared
-    from fedper.wire import Topics, WireError
+    """Build the engine from the options, then serve until --rounds are done."""
+    from fedper.coordinator.store import CheckpointError
+    from fedper.mqtt import BrokerRefused
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
     logging.getLogger("fedper.coordinator").setLevel(logging.DEBUG if service.verbose else logging.INFO)
+    coordinator, url = _build(service, options)
     mqtt_version, state_dir = service.mqtt_version, service.state_dir
-    try:
-        if service.embedded_broker == bool(service.broker):
-            raise ValueError("give exactly one of --broker URL or --embedded-broker")
-        if mqtt_version not in PROTOCOLS:
-            raise ValueError(f"--mqtt-version {mqtt_version!r}: choose one of {', '.join(PROTOCOLS)}")
-        config = Config.of(**options)
-        manifest = Manifest.load(service.artifacts)
-        base_path = service.artifacts / BASE_FILE
-        if not base_path.exists():
-            raise ValueError(f"no {BASE_FILE} in {service.artifacts}: is it an export directory?")
-        initial = decode_shared(manifest, base_path.read_bytes())
-        url = (BrokerUrl("127.0.0.1", service.port, False) if service.embedded_broker
-               else parse_broker_url(service.broker))
-        coordinator = Coordinator(manifest, initial, Topics(service.fleet), config, Store(state_dir))
-    except (ValueError, KeyError, OSError, ManifestError, WireError, CheckpointError) as e:
-        typer.echo(f"fedper-coordinator: {e}", err=True)
-        raise typer.Exit(2) from None
-
     metrics = (_metrics(coordinator, service.metrics_host, service.metrics_port)
                if service.metrics_port is not None else None)
     embedded = None
@@ -156,6 +134,35 @@ def run(service: Service, options: dict[str, Any]) -> None:
         if metrics:
             metrics.close()
     typer.echo(f"done: {coordinator.config.rounds.rounds} round(s); final model in {state_dir / 'final.safetensors'}")
+
+
+def _build(service: Service, options: dict[str, Any]) -> tuple[Coordinator, BrokerUrl]:
+    """The engine and the broker's URL; a bad option, export or state directory exits 2 with one line."""
+    from fedper.artifacts import BASE_FILE
+    from fedper.coordinator.engine import Coordinator
+    from fedper.coordinator.store import CheckpointError, Store
+    from fedper.manifest import Manifest, ManifestError
+    from fedper.mqtt import PROTOCOLS, BrokerUrl, parse_broker_url
+    from fedper.payload import decode_shared
+    from fedper.wire import Topics, WireError
+
+    try:
+        if service.embedded_broker == bool(service.broker):
+            raise ValueError("give exactly one of --broker URL or --embedded-broker")
+        if service.mqtt_version not in PROTOCOLS:
+            raise ValueError(f"--mqtt-version {service.mqtt_version!r}: choose one of {', '.join(PROTOCOLS)}")
+        config = Config.of(**options)
+        manifest = Manifest.load(service.artifacts)
+        base_path = service.artifacts / BASE_FILE
+        if not base_path.exists():
+            raise ValueError(f"no {BASE_FILE} in {service.artifacts}: is it an export directory?")
+        initial = decode_shared(manifest, base_path.read_bytes())
+        url = (BrokerUrl("127.0.0.1", service.port, False) if service.embedded_broker
+               else parse_broker_url(service.broker))
+        return Coordinator(manifest, initial, Topics(service.fleet), config, Store(service.state_dir)), url
+    except (ValueError, KeyError, OSError, ManifestError, WireError, CheckpointError) as e:
+        typer.echo(f"fedper-coordinator: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 def _metrics(coordinator: Coordinator, host: str, port: int) -> CoordinatorMetrics:
