@@ -67,8 +67,10 @@ def one_round(work: Path, case: dict, state: str, noise: float = 0.0, draw: int 
                          batch_size=case["batch_size"], lr=case["lr"], seed=case["seed"])
     agent = Agent(config, log=lambda line: None)
     rng = np.random.default_rng(draw)
-    start = {name: (value * (1 + noise * rng.standard_normal(value.shape))).astype(np.float32) for name, value in
-             decode_shared(agent.manifest, (work / "export" / "base.safetensors").read_bytes()).items()}
+    start = {**agent.backend.read(agent.manifest.names()),  # the head as the export's checkpoint holds it
+             **decode_shared(agent.manifest, (work / "export" / "base.safetensors").read_bytes())}
+    start = {name: (value * (1 + noise * rng.standard_normal(value.shape))).astype(np.float32)
+             for name, value in start.items()}
     agent.backend.load(start)
     return start, agent.train_round(1), agent.manifest
 
