@@ -10,19 +10,14 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import threading
 import time
-from functools import partial
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import numpy as np
 import paho.mqtt.client as paho
 import pytest
+from helpers.page import PageServer, write_images
 from helpers.processes import agent_args, coordinator_args, write_device_data
-from PIL import Image
 
-from fedper.data import load_digits
 from fedper.manifest import Manifest
 from fedper.ports import free_port
 from fedper.wire import Reassembler, Topics, decode_chunk
@@ -41,60 +36,13 @@ pytestmark = [
 ]
 
 
-class PageServer(ThreadingHTTPServer):
-    """The page at /, the export at /artifacts/, /config.json, with the cross-origin isolation headers that
-    wasm threads need. A stand-in until the coordinator serves the page itself (fedper-coordinator --web-port)."""
-
-    def __init__(self, root: Path, artifacts: Path, config: dict) -> None:
-        self.root, self.artifacts, self.config = root, artifacts, json.dumps(config).encode()
-        super().__init__(("127.0.0.1", free_port()), partial(_Handler, server_root=root))
-
-
-class _Handler(SimpleHTTPRequestHandler):
-    def __init__(self, *args, server_root: Path, **kwargs) -> None:
-        super().__init__(*args, directory=str(server_root), **kwargs)
-
-    def translate_path(self, path: str) -> str:
-        if path.startswith("/artifacts/"):
-            return str(self.server.artifacts / path.removeprefix("/artifacts/").split("?")[0])
-        return super().translate_path(path)
-
-    def do_GET(self) -> None:
-        if self.path.split("?")[0] == "/config.json":
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()
-            self.wfile.write(self.server.config)
-            return
-        super().do_GET()
-
-    def end_headers(self) -> None:
-        self.send_header("Cross-Origin-Opener-Policy", "same-origin")
-        self.send_header("Cross-Origin-Embedder-Policy", "require-corp")
-        super().end_headers()
-
-    def log_message(self, *args) -> None:
-        pass
-
-
-def write_images(folder: Path, classes: tuple[int, ...], count: int, offset: int) -> None:
-    """Digits as PNG files in class folders, as a phone's photo library would hand them to the file picker."""
-    ds = load_digits(32).train
-    idx = np.flatnonzero(np.isin(ds.y, classes))[offset : offset + count]
-    for i in idx:
-        (folder / str(ds.y[i])).mkdir(parents=True, exist_ok=True)
-        Image.fromarray(ds.x[i]).save(folder / str(ds.y[i]) / f"digit-{i:04d}.png")
-
-
+@pytest.mark.timeout(600)
 def test_a_browser_page_takes_part_in_fedper_rounds(mosquitto, tiny_artifacts, processes, tmp_path):
     websocket = free_port()
     processes.procs.append(subprocess.Popen(  # websockify: Debian Mosquitto's own WebSocket listener is slow to send
         ["websockify", f"127.0.0.1:{websocket}", f"127.0.0.1:{mosquitto.port}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    server = PageServer(ROOT / "web" / "dist", tiny_artifacts,
-                        {"broker": f"ws://127.0.0.1:{websocket}", "fleet": FLEET, "artifacts": "artifacts/"})
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-
+    config = {"broker": f"ws://127.0.0.1:{websocket}", "fleet": FLEET, "artifacts": "artifacts/"}
     manifest = Manifest.load(tiny_artifacts)
     topics = Topics(FLEET)
     updates: list[tuple[str, list[str]]] = []
@@ -121,13 +69,13 @@ def test_a_browser_page_takes_part_in_fedper_rounds(mosquitto, tiny_artifacts, p
                                                  tmp_path / f"agent{j}"))
     images = tmp_path / "images"
     write_images(images, (0, 1, 2, 3), 60, offset=300)
-    url = f"http://127.0.0.1:{server.server_address[1]}/?device=web-1&seed=3&batch=16&lr=0.02"
     started = time.monotonic()
-    done = subprocess.run(["node", str(DRIVER), url, str(images), "2", "420"], cwd=ROOT / "web", capture_output=True,
-                          text=True, timeout=480)
+    with PageServer(ROOT / "web" / "dist", tiny_artifacts, config) as server:
+        url = f"{server.origin}/?device=web-1&seed=3&batch=16&lr=0.02"
+        done = subprocess.run(["node", str(DRIVER), url, str(images), "2", "420"], cwd=ROOT / "web",
+                              capture_output=True, text=True, timeout=480)
     seconds = time.monotonic() - started
     spy.loop_stop()
-    server.shutdown()
     result = json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else {"error": done.stderr}
     assert "error" not in result, (result, processes.log("coordinator")[-3000:])
     assert result["isolated"], "the page is not cross-origin isolated: no wasm threads"

@@ -97,7 +97,7 @@ export class Trainer {
     for (let epoch = 0; epoch < epochs; epoch++) {
       for (const batch of epochBatches(y.length, batchSize, [...seed, epoch])) {
         const out = await session.runTrainStep({ ...this.batch(x, y, batch), learning_rate: rate });
-        losses.push(out[session.trainingOutputNames[0]].data[0]);
+        losses.push(out[session.trainingOutputNames[0]].data[0]); 
         await session.runOptimizerStep();
         await session.lazyResetGrad();
         samples += batch.length;

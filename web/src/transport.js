@@ -33,8 +33,9 @@ export function runAgent(agent, mqtt, url, { username, password, spreadS = 30, l
     will: offline, username, password,
   };
   if (typeof WebSocket !== 'undefined') {
-    // offer both: Mosquitto's own listener speaks "mqtt", websockify in front of its TCP listener "binary"
-    options.createWebsocket = (wsUrl) => new WebSocket(wsUrl, ['mqtt', 'binary']);
+    // offer both: websockify in front of a broker's TCP listener takes "binary", Mosquitto's own listener "mqtt".
+    // "binary" first: websockify 0.10 splits the offer at commas without trimming, so it finds only the first.
+    options.createWebsocket = (wsUrl) => new WebSocket(wsUrl, ['binary', 'mqtt']);
   }
   const backoff = new Backoff(spreadS);
   let subscribed = new Set(), queue = Promise.resolve(), stopped = false, timer = null, wasConnected = false;

@@ -2,7 +2,7 @@
 // training entry for node), the repository's Python for exports and reference runs, a real Mosquitto, digits.
 
 import { spawn, spawnSync } from 'node:child_process';
-import { mkdtempSync, readFileSync, writeFileSync, existsSync } from 'node:fs';
+import { existsSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { Socket, createServer } from 'node:net';
 import { tmpdir } from 'node:os';
 import { dirname, join, resolve } from 'node:path';
@@ -20,7 +20,15 @@ export async function loadOrt(threads = 1) {
   return ort;
 }
 
-export const tempDir = (prefix = 'fedper-web-') => mkdtempSync(join(tmpdir(), prefix));
+const temporary = [];
+process.on('exit', () => temporary.forEach((dir) => rmSync(dir, { recursive: true, force: true })));
+
+/** A fresh directory, removed when the test process exits. */
+export function tempDir(prefix = 'fedper-web-') {
+  const dir = mkdtempSync(join(tmpdir(), prefix));
+  temporary.push(dir);
+  return dir;
+}
 
 /** Run the repository's Python on `code` (with `args` as sys.argv[1:]); its stdout. */
 export function python(code, ...args) {

@@ -68,7 +68,10 @@ test('one round in the page equals one round of the Python agent, for every algo
       }
       const metrics = JSON.parse(python.metadata.metrics);
       assert.equal(saved.metrics.accuracy, metrics.accuracy, c.name);
-      assert.ok(Math.abs(saved.metrics.loss - metrics.loss) <= 1e-4 * Math.abs(metrics.loss), `${c.name} test loss`);
+      // the served model: the round's start (the same forward pass), or for FedBABU a fine-tuned copy of it, which
+      // differs as a trained round does
+      const lossBound = c.algorithm === 'fedbabu' ? Math.max(0.01, Number(python.metadata.self_gap_shared)) : 1e-4;
+      assert.ok(Math.abs(saved.metrics.loss - metrics.loss) <= lossBound * Math.abs(metrics.loss), `${c.name} test loss ${saved.metrics.loss} vs ${metrics.loss}`);
       assert.ok(Math.abs(saved.metrics.train_loss - metrics.train_loss) <= 1e-3 * Math.abs(metrics.train_loss), `${c.name} train loss`);
     });
   }

@@ -92,8 +92,8 @@ def run(out: Path, case: dict, weights: dict[str, torch.Tensor]) -> None:
 
         field = "update" if part == "shared" else "local"
         change = np.linalg.norm(flat(getattr(saved, field)) - flat(start))
-        gaps[f"self_gap_{part}"] = repr(max(float(np.linalg.norm(flat(getattr(m, field)) - flat(getattr(saved, field))))
-                                            / change if change else 0.0 for m in moved))
+        moves = [np.linalg.norm(flat(getattr(m, field)) - flat(getattr(saved, field))) for m in moved]
+        gaps[f"self_gap_{part}"] = repr(float(max(moves) / change if change else 0.0))
     tensors = {**saved.update, **saved.local}
     save_file({name: np.ascontiguousarray(v) for name, v in tensors.items()}, work / "round.safetensors",
               metadata={"metrics": json.dumps(saved.metrics), **gaps})

@@ -1,6 +1,6 @@
 // Drives Debian's chromium through puppeteer-core for tests/test_web_browser.py: opens the page as a phone would,
 // picks the images of each class with the file picker, joins, reloads the page once its round-`reloadAfter`
-// update is out, and waits for the run to finish. Prints one JSON line: what the page showed and logged.
+// update is out (0: no reload), and waits for the run to finish. Prints one JSON line: what the page showed and logged.
 //
 //   node web/test/browser/drive.mjs URL IMAGES_DIR RELOAD_AFTER_ROUND TIMEOUT_S
 
@@ -38,13 +38,15 @@ try {
   }
   await until('all images', () => !document.querySelector('#join').disabled);
   await page.click('#join');
-  result.reloadedAfter = await until(`the update of round ${reloadAfter}`, (k) => {
-    const agent = window.fedper.agent();
-    return agent?.saved?.round >= k && agent.sentRound === agent.saved.round && agent.saved.round;
-  }, Number(reloadAfter));
-  result.logBeforeReload = await page.evaluate(() => window.fedper.lines);
-  await page.reload();
-  await until('the page to rejoin', () => window.fedper?.running());
+  if (Number(reloadAfter) > 0) {
+    result.reloadedAfter = await until(`the update of round ${reloadAfter}`, (k) => {
+      const agent = window.fedper.agent();
+      return agent?.saved?.round >= k && agent.sentRound === agent.saved.round && agent.saved.round;
+    }, Number(reloadAfter));
+    result.logBeforeReload = await page.evaluate(() => window.fedper.lines);
+    await page.reload();
+    await until('the page to rejoin', () => window.fedper?.running());
+  }
   result.final = (await until('the run to finish', () => window.fedper.agent()?.finalAccuracy != null && { accuracy: window.fedper.agent().finalAccuracy })).accuracy;
   result.status = await page.$eval('#status', (e) => e.textContent);
   result.log = await page.evaluate(() => window.fedper.lines);
