@@ -24,7 +24,7 @@ const temporary = [];
 process.on('exit', () => temporary.forEach((dir) => rmSync(dir, { recursive: true, force: true })));
 
 /** A fresh directory, removed when the test process exits. */
-export function tempDir(prefix = 'fedper-web-') {
+export function tempDir(prefix = 'webagent-test-') {
   const dir = mkdtempSync(join(tmpdir(), prefix));
   temporary.push(dir);
   return dir;
@@ -38,14 +38,15 @@ export function python(code, ...args) {
 }
 
 /** A real fedper-export into a fresh directory (MobileNet-v1 x0.25 32x32 4 classes unless told otherwise). */
-export function exportTiny({ algorithm = 'fedper', kp = null, classes = 4, graph = 'stock', width = 0.25 } = {}) {
+export function exportTiny({ algorithm = 'fedper', graph = 'stock', width = 0.25 } = {}) {
   const out = join(tempDir(), 'export');
-  const args = ['-m', 'fedper.export.cli', '--model', 'mobilenet_v1', '--width', String(width), '--num-classes', String(classes),
-    '--input-size', '32', '--algorithm', algorithm, '--graph', graph, '--out', out,
-    '--classes', Array.from({ length: classes }, (_, i) => String(i)).join(',')];
-  if (kp !== null) args.push('--kp', String(kp));
-  const done = spawnSync(PYTHON, args, { cwd: REPO, encoding: 'utf-8' });
-  if (done.status !== 0) throw new Error(`fedper-export failed: ${done.stderr.slice(-2000)}`);
+  python(`
+import sys
+from fedper.algorithms import get_algorithm
+from fedper.export.exporter import export_artifacts
+algorithm, graph, width, out = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
+export_artifacts(out, model="mobilenet_v1", kp=get_algorithm(algorithm).default_kp, num_classes=4, input_size=32,
+                 width=width, algorithm=algorithm, graph=graph, classes=("0", "1", "2", "3"))`, algorithm, graph, String(width), out);
   return out;
 }
 
@@ -79,7 +80,7 @@ export function freePort() {
 /** A Mosquitto on a free loopback port: {url, stop()}. */
 export async function startMosquitto() {
   const port = await freePort();
-  const dir = tempDir('fedper-mosquitto-');
+  const dir = tempDir('webagent-mosquitto-');
   const user = process.getuid?.() === 0 ? 'user root\n' : '';
   writeFileSync(join(dir, 'mosquitto.conf'), `listener ${port} 127.0.0.1\nallow_anonymous true\npersistence false\n${user}`);
   const proc = spawn(MOSQUITTO, ['-c', join(dir, 'mosquitto.conf')], { stdio: 'ignore' });
