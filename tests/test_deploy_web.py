@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import paho.mqtt.client as mqtt
 import pytest
@@ -87,12 +88,24 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     folder = tmp_path_factory.mktemp("deploy-web")
     make_tls(folder)
     shutil.copy(DEPLOY / "mosquitto" / "acl", folder / "acl")
-    passwords = {}
+    passwords, links = {}, {}
+    nginx_port = free_port()
+    web_url = f"https://127.0.0.1:{nginx_port}/"
     for *role, user, fleet in (("--coordinator", "coordinator", "lab"), ("phone-1", "lab"), ("dev-a", "lab"),
                                ("--coordinator", "coordinator-farm", "farm")):
         out = subprocess.run([str(DEPLOY / "provision-device.sh"), *role, user, fleet, str(folder / "passwd"),
-                              str(folder / "acl")], check=True, capture_output=True, text=True).stdout
-        passwords[user] = dict(line.split("=", 1) for line in out.split())["FEDPER_PASSWORD"]
+                              str(folder / "acl")], check=True, capture_output=True, text=True,
+                             env={**os.environ, "FEDPER_WEB_URL": web_url}).stdout
+        printed = dict(line.split("=", 1) for line in out.split())
+        passwords[user] = printed["FEDPER_PASSWORD"]
+        links[user] = printed.get("FEDPER_WEB_LINK")
+    # a device's link: the page's URL, its id and its password (the one the phone logs in with below) in the fragment
+    link = urlsplit(links.pop("phone-1"))
+    assert f"{link.scheme}://{link.netloc}{link.path}" == web_url
+    assert dict(p.split("=", 1) for p in link.fragment.split("&")) == {"device": "phone-1",
+                                                                       "password": passwords["phone-1"]}
+    assert links == {"coordinator": None, "dev-a": f"{web_url}#device=dev-a&password={passwords['dev-a']}",
+                     "coordinator-farm": None}
     tls_port, web_listener = free_port(), free_port()
     (folder / "mosquitto.conf").write_text(_mosquitto_conf(folder, tls_port, web_listener))
     broker = subprocess.Popen([MOSQUITTO, "-c", str(folder / "mosquitto.conf")], stdout=subprocess.DEVNULL,
@@ -107,7 +120,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         page_root = folder / "page"
         page_root.mkdir()
         (page_root / "index.html").write_text("<!doctype html><title>fedper</title>")
-        nginx_port = free_port()
         page = WebServer(page_root, folder, "lab", f"wss://127.0.0.1:{nginx_port}/mqtt", "127.0.0.1", 0).start()
         started.append(page)
         site = deploy_site(nginx_port, folder / "server.crt", folder / "server.key", bridge.port, page.port)
