@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import email.utils
-import fcntl
 import json
 import logging
 import re
@@ -131,6 +130,8 @@ class WebServer:
 
 def lan_address() -> str | None:
     """This machine's first non-loopback IPv4 address, read from its interfaces (Linux; sends nothing)."""
+    import fcntl
+
     siocgifaddr = 0x8915
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
