@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test lint bench mosquitto prometheus clean
+.PHONY: install demo test lint bench mosquitto websocket prometheus clean
 
 install: $(STAMP)
 
@@ -24,6 +24,18 @@ mosquitto:
 		|| echo "could not install mosquitto: its tests will be skipped"; \
 	else echo "mosquitto or mosquitto-clients is missing and we are not root: the Mosquitto tests will be skipped"; fi
 
+# The web agent's tests reach Mosquitto over WebSockets through websockify, and deploy's path for phones through nginx
+# in front of it (Debian packages), installed the same way.
+websocket:
+	@missing=""; command -v websockify >/dev/null || missing="websockify"; \
+	{ command -v nginx >/dev/null || [ -x /usr/sbin/nginx ]; } || missing="$$missing nginx-light"; \
+	if [ -z "$$missing" ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing$$missing (Debian packages) for the WebSocket tests"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing \
+			>/dev/null) || echo "could not install$$missing: their tests will be skipped"; \
+	else echo "$$missing missing and we are not root: the WebSocket tests that need them will be skipped"; fi
+
 # The metrics test scrapes the coordinator with a real Prometheus server (Debian package), installed the same way.
 prometheus:
 	@if command -v prometheus >/dev/null; then :; \
@@ -36,7 +48,7 @@ prometheus:
 demo: install
 	$(BIN)/fedper demo
 
-test: install mosquitto prometheus
+test: install mosquitto websocket prometheus
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 
