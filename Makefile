@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test lint bench mosquitto prometheus chromium web clean
+.PHONY: install demo test lint bench mosquitto websocket prometheus chromium web clean
 
 install: $(STAMP)
 
@@ -24,6 +24,18 @@ mosquitto:
 		|| echo "could not install mosquitto: its tests will be skipped"; \
 	else echo "mosquitto or mosquitto-clients is missing and we are not root: the Mosquitto tests will be skipped"; fi
 
+# The web agent's tests reach Mosquitto over WebSockets through websockify, and deploy's path for phones through nginx
+# in front of it (Debian packages), installed the same way.
+websocket:
+	@missing=""; command -v websockify >/dev/null || missing="websockify"; \
+	{ command -v nginx >/dev/null || [ -x /usr/sbin/nginx ]; } || missing="$$missing nginx-light"; \
+	if [ -z "$$missing" ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing$$missing (Debian packages) for the WebSocket tests"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing \
+			>/dev/null) || echo "could not install$$missing: their tests will be skipped"; \
+	else echo "$$missing missing and we are not root: the WebSocket tests that need them will be skipped"; fi
+
 # The metrics test scrapes the coordinator with a real Prometheus server (Debian package), installed the same way.
 prometheus:
 	@if command -v prometheus >/dev/null; then :; \
@@ -41,19 +53,19 @@ web/dist/index.html: web/package.json web/package-lock.json web/build.mjs $(wild
 	@if command -v npm >/dev/null; then npm --prefix web ci --no-audit --no-fund --loglevel=error && npm --prefix web run build; \
 	else echo "npm is missing: the web agent is not built and its tests are skipped"; fi
 
-# The web agent's browser test drives Debian's chromium (puppeteer-core) through websockify; installed like mosquitto.
+# The web agent's browser test drives Debian's chromium with puppeteer-core; installed like mosquitto.
 chromium:
-	@if command -v chromium >/dev/null && command -v websockify >/dev/null; then :; \
+	@if command -v chromium >/dev/null; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		echo "installing chromium and websockify (Debian packages) for the web agent's browser test"; \
-		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium websockify \
+		echo "installing chromium (Debian package) for the web agent's browser test"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium \
 			>/dev/null) || echo "could not install chromium: the browser test will be skipped"; \
-	else echo "chromium or websockify is missing and we are not root: the browser test will be skipped"; fi
+	else echo "chromium is missing and we are not root: the browser test will be skipped"; fi
 
 demo: install
 	$(BIN)/fedper demo
 
-test: install mosquitto prometheus chromium web
+test: install mosquitto websocket prometheus chromium web
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 	@if [ -f web/dist/index.html ]; then node --test web/test/*.test.mjs; else echo "web agent not built: node tests skipped"; fi

@@ -7,7 +7,8 @@ coordinator runs: a flat float64 sum, fed the update as decode_shared hands it o
 array of views into the blob), the wire decode (chunk
 checks + reassembly + sha256 + safetensors + validation), and the engine's whole path per update
 (decode + validate + fold + the checkpoint it writes so a restart loses nothing: the blob, or every
-PARTIAL_EVERY updates the float64 running sum), averaged over 2 x PARTIAL_EVERY updates. Every
+PARTIAL_EVERY updates the float64 running sum), averaged over 2 x PARTIAL_EVERY updates that follow
+PARTIAL_EVERY first ones (a running coordinator reuses its slot files; the first updates create them). Every
 path is timed several times, interleaved; the table shows the fastest (background load only ever
 adds time) and the median of each repeat's ratio to the float64 add timed next to it (load that
 comes and goes hits both alike), in wall time and in CPU time; the JSON keeps the medians too.
@@ -67,7 +68,8 @@ def timed_both(fn: Callable[[], Any]) -> tuple[float, float]:
 def fold_times(manifest: Manifest, base: dict[str, np.ndarray], repeats: int,
                engine_repeats: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Seconds per update of each path, `repeats` samples each (the first add, which allocates, is left
-    out), and `engine_repeats` of the engine's: each a fresh engine's mean over 2 x PARTIAL_EVERY updates;
+    out), and `engine_repeats` of the engine's: each a fresh engine's mean over 2 x PARTIAL_EVERY updates
+    after PARTIAL_EVERY that create its slot files;
     then the CPU seconds of the same samples (not the engine's, whose fsyncs wait off the CPU).
     All interleaved, so that background load hits every path alike."""
     blob = encode_shared(manifest, {n: v + np.float32(1e-3) for n, v in base.items()})
@@ -103,7 +105,7 @@ def fold_times(manifest: Manifest, base: dict[str, np.ndarray], repeats: int,
             runs[name].append(wall)
             cpu[name].append(used)
         if i % (repeats // engine_repeats) == 0 and len(engine) < engine_repeats:
-            per_update = feed_engine(manifest, base, frames, 2 * PARTIAL_EVERY)[0]
+            per_update = feed_engine(manifest, base, frames, 3 * PARTIAL_EVERY)[0][PARTIAL_EVERY:]
             engine.append(sum(per_update) / len(per_update))
     return {**runs, "engine: decode + validate + fold + checkpoint": engine}, cpu
 

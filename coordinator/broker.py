@@ -12,10 +12,13 @@ logging.getLogger("amqtt").setLevel(logging.ERROR)  # its shutdown chatter is no
 
 
 class EmbeddedBroker:
-    """amqtt's broker on host:port, anonymous, for one-machine use (no TLS, no ACLs: not for a real fleet)."""
+    """amqtt's broker on host:port, anonymous, for one-machine use (no TLS, no ACLs: not for a real fleet); with
+    `ws_port`, also MQTT over WebSockets on ws_host:ws_port for the web agent's page (fast: docs/operations.md)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 1883) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 1883, ws_port: int | None = None,
+                 ws_host: str = "127.0.0.1") -> None:
         self.host, self.port = host, port
+        self.ws_host, self.ws_port = ws_host, ws_port
         self._loop: asyncio.AbstractEventLoop | None = None
         self._broker: Any = None
         self._thread: threading.Thread | None = None
@@ -30,6 +33,8 @@ class EmbeddedBroker:
         if self._error is not None:
             raise RuntimeError(f"the embedded broker failed on {self.host}:{self.port}: {self._error}")
         log.info("embedded amqtt broker listening on %s:%d", self.host, self.port)
+        if self.ws_port is not None:
+            log.info("embedded amqtt broker's WebSocket listener on %s:%d", self.ws_host, self.ws_port)
         return self
 
     def _run(self) -> None:
@@ -37,8 +42,11 @@ class EmbeddedBroker:
 
         self._loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self._loop)
+        listeners = {"default": {"type": "tcp", "bind": f"{self.host}:{self.port}"}}
+        if self.ws_port is not None:
+            listeners["ws"] = {"type": "ws", "bind": f"{self.ws_host}:{self.ws_port}"}
         config = {
-            "listeners": {"default": {"type": "tcp", "bind": f"{self.host}:{self.port}"}},
+            "listeners": listeners,
             "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}},
         }
         try:

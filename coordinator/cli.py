@@ -19,10 +19,12 @@ from typer import _click as click
 from typer.core import TyperGroup
 
 from fedper.coordinator.config import GROUPS, Config, Group, option
+from fedper.coordinator.web import Web
 
 if TYPE_CHECKING:
     from fedper.coordinator.engine import Coordinator
     from fedper.coordinator.metrics import CoordinatorMetrics
+    from fedper.coordinator.web import WebServer
     from fedper.mqtt import BrokerUrl
 
 
@@ -87,15 +89,16 @@ def _options(group: type[Group]) -> list[inspect.Parameter]:
 def _command(**options: Any) -> None:
     """Serve rounds until --rounds are done; resumes from --state-dir after a restart."""
     service = Service(**{f.name: options.pop(f.name) for f in fields(Service) if f.name in options})
-    run(service, options)
+    web = Web(**{f.name: options.pop(Web.flag(f.name)) for f in fields(Web) if Web.flag(f.name) in options})
+    run(service, options, web)
 
 
 _command.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-    [p for group in (Service, *GROUPS.values()) for p in _options(group)])
+    [p for group in (Service, Web, *GROUPS.values()) for p in _options(group)])
 app.callback(invoke_without_command=True)(_command)
 
 
-def run(service: Service, options: dict[str, Any]) -> None:
+def run(service: Service, options: dict[str, Any], web: Web | None = None) -> None:
     """Build the engine from the options, then serve until --rounds are done."""
     from fedper.coordinator.store import CheckpointError
     from fedper.mqtt import BrokerRefused
@@ -106,16 +109,23 @@ def run(service: Service, options: dict[str, Any]) -> None:
     mqtt_version, state_dir = service.mqtt_version, service.state_dir
     metrics = (_metrics(coordinator, service.metrics_host, service.metrics_port)
                if service.metrics_port is not None else None)
+    web = web or Web()
+    ws_port = None  # the embedded broker's WebSocket listener, for the page (--web-port)
+    if web.port is not None and service.embedded_broker and not web.broker:
+        from fedper.ports import free_port
+
+        ws_port = web.ws_port or free_port()
     embedded = None
     if service.embedded_broker:
         from fedper.coordinator.broker import EmbeddedBroker
 
         try:
-            embedded = EmbeddedBroker("127.0.0.1", service.port).start()
+            embedded = EmbeddedBroker("127.0.0.1", service.port, ws_port=ws_port, ws_host=web.host).start()
         except RuntimeError as e:
             typer.echo(f"fedper-coordinator: {e}", err=True)
             raise typer.Exit(2) from None
         mqtt_version = "3.1.1"
+    page = _page(web, service, ws_port) if web.port is not None else None  # its URL printed once all is up
     try:
         _serve(coordinator, url, mqtt_version, service.username, service.password,
                str(service.tls_ca) if service.tls_ca else None, metrics)
@@ -133,6 +143,8 @@ def run(service: Service, options: dict[str, Any]) -> None:
             embedded.stop()
         if metrics:
             metrics.close()
+        if page:
+            page.close()
     typer.echo(f"done: {coordinator.config.rounds.rounds} round(s); final model in {state_dir / 'final.safetensors'}")
 
 
@@ -182,6 +194,20 @@ def _metrics(coordinator: Coordinator, host: str, port: int) -> CoordinatorMetri
         raise typer.Exit(2) from None
     logging.getLogger("fedper.coordinator").info("Prometheus metrics on http://%s:%d/metrics", host, bound)
     return metrics
+
+
+def _page(web: Web, service: Service, ws_port: int | None) -> WebServer:
+    """The web agent's page, serving from now on, its URL and a QR code printed (coordinator/web.py)."""
+    from fedper.coordinator.web import print_qr, serve_page
+
+    try:
+        page = serve_page(web, service.artifacts, service.fleet, ws_port)
+    except (ValueError, OSError) as e:
+        typer.echo(f"fedper-coordinator: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"web agent of fleet {service.fleet}: open {page.url()} (a phone on this network: scan the code)")
+    print_qr(page.url(), typer.echo)
+    return page
 
 
 def _serve(coordinator: Coordinator, url: BrokerUrl, protocol: str, username: str | None, password: str | None,

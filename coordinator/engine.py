@@ -37,6 +37,7 @@ from fedper.payload import decode_shared, encode_shared
 from fedper.selection import check_seed, invitations, new_seed, select
 from fedper.wire import (
     MAX_ERROR_TEXT,
+    Chunk,
     ErrorMessage,
     Invitation,
     Outgoing,
@@ -44,6 +45,7 @@ from fedper.wire import (
     Register,
     RoundInfo,
     Topics,
+    UpdateMeta,
     WireError,
     chunk,
     chunk_count,
@@ -84,6 +86,7 @@ class Coordinator:
         self._reassembler, self._rate = self._quotas(config.quotas, config.rounds.chunk_size,
                                                         self.strategy.upload_size())
         self._rejected: dict[str, set[str]] = {}  # device -> blob ids refused (and answered) in the open round
+        self._metas: dict[str, tuple[str, dict, UpdateMeta]] = {}  # device -> its blob's checked meta, this round
         self._deadline = 0.0
         self._opened_at = 0.0
         self._broadcast_s = 0.0
@@ -305,7 +308,7 @@ class Coordinator:
             registration = self.registered.get(device)
             if registration is None:
                 raise WireError("unknown_device", f"{device} has not registered: publish register/{device} first")
-            meta = decode_update_meta(chunk.meta)  # every field checked: types, ranges, metrics' names and values
+            meta = self._update_meta(device, chunk)
             self.strategy.check(meta)  # the round it is for, its codec
             if self.selecting and device not in self.round.invited:  # before reassembly: it costs no memory
                 raise WireError("not_invited", f"{device} is not invited to round {meta.round}: wait for an "
@@ -401,6 +404,15 @@ class Coordinator:
                                     ErrorMessage("rate_limited", message, self.round.number).encode()))
         return out
 
+    def _update_meta(self, device: str, frame: Chunk) -> UpdateMeta:
+        """The chunk's meta, every field checked (types, ranges, metrics' names and values): once per blob, as
+        every chunk of a blob repeats its meta (the reassembler refuses one that differs), not once per chunk."""
+        blob_id, raw, meta = self._metas.get(device, (None, None, None))
+        if meta is None or blob_id != frame.blob_id or raw != frame.meta:
+            meta = decode_update_meta(frame.meta)
+            self._metas[device] = (frame.blob_id, frame.meta, meta)
+        return meta
+
     def _remember_rejected(self, device: str, blob_id: str) -> None:
         """Per device, so that one device's flood of refused blobs never makes another's be answered twice."""
         if device not in self._rejected and len(self._rejected) >= MAX_REJECTED_DEVICES:
@@ -469,6 +481,7 @@ class Coordinator:
             self._select()
         self._reassembler.discard()
         self._rejected.clear()
+        self._metas.clear()
         self._model_file = self.store.write_tensors(f"model-r{closed.number + 1}.safetensors", self.model)
         self.strategy.open(self.round.number, self.model, self.finished)
         if self.finished:

@@ -7,6 +7,8 @@
 # and writes everything of FLEET; --monitor reads everything of FLEET. Rotating (or moving the ID to
 # another fleet): run it again, then `systemctl reload mosquitto` (SIGHUP re-reads both files).
 # Revoking: mosquitto_passwd -D PASSWD_FILE ID, delete the ID's block from the ACL, then reload.
+# A phone (the web agent) is a device like any other; with FEDPER_WEB_URL=https://HOST/ set, the script also prints
+# FEDPER_WEB_LINK, the page's URL with the id and password in its fragment, which the page reads and a server never sees.
 set -euo pipefail
 usage="usage: provision-device.sh [--coordinator | --monitor] ID FLEET [PASSWD_FILE [ACL_FILE]]"
 role=device
@@ -51,3 +53,6 @@ cat "$block" >"$acl_file"  # in place: the file keeps its owner and mode
 mosquitto_passwd -b "$passwd_file" "$id" "$password"
 echo "FEDPER_USERNAME=$id"
 echo "FEDPER_PASSWORD=$password"
+if [ "$role" = device ] && [ -n "${FEDPER_WEB_URL:-}" ]; then
+  echo "FEDPER_WEB_LINK=${FEDPER_WEB_URL%%#*}#device=$id&password=$password"
+fi

@@ -2,7 +2,8 @@
 leaves the previous version of a file whole, never a mix.
 
 Every file goes through `atomic_write`: a temporary name, fsync, os.replace over the old one, fsync
-of the folder. Two formats, nothing else (no pickle):
+of the folder; or, for large blobs that an atomic file then names with their digest, `overwrite` in
+place. Two formats, nothing else (no pickle):
 
     checkpoint  a safetensors file: the tensors, and the rest as one JSON document in the header's
                 metadata (key "json"); `write_checkpoint` streams the header and then each array's
@@ -60,6 +61,32 @@ def atomic_write(path: Path, data: Buffer | Iterable[Buffer]) -> None:
     except OSError:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def overwrite(path: Path, data: Buffer) -> None:
+    """Write `data` at the start of `path` in place (created if missing) and fdatasync it: a file reused for
+    data of about the same size keeps its disk blocks, so this costs a memory copy and one flush, where a new
+    file costs an allocation per block. Not atomic: a crash mid-write leaves a mix, so a caller names the file
+    and the size written (`read_prefix`) in an atomic file only after this returns, and never overwrites a
+    file that its current atomic file names. Bytes past `data` from an earlier, longer write stay."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        view = memoryview(data).cast("B")
+        written = 0
+        while written < len(view):
+            written += os.pwrite(fd, view[written:], written)
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_prefix(path: Path, size: int) -> bytes:
+    """The first `size` bytes of `path` (what `overwrite` wrote there); OSError if it is shorter."""
+    with open(path, "rb") as f:
+        data = f.read(size)
+    if len(data) != size:
+        raise OSError(f"{path} holds {len(data)} bytes, fewer than the {size} written there")
+    return data
 
 
 def write_json(path: Path, body: Any, *, indent: int | None = None) -> None:

@@ -1,7 +1,8 @@
 """Shared fixtures: a real Mosquitto broker on a free loopback port (per test), tiny real exports
 (each exported once per session), subprocess groups and a small file system to fill.
 
-Helpers that tests call live in tests/helpers/ (processes, MQTT recording, scripted devices).
+Helpers that tests call live in tests/helpers/ (processes, MQTT recording, scripted devices, MQTT over
+WebSockets: websockify in front of Mosquitto, whose fixtures are imported here).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from helpers.processes import Processes
+from helpers.websocket import websockify_factory, ws_broker  # noqa: F401  (fixtures: MQTT over WebSockets)
 
 from fedper.ports import free_port
 

@@ -189,8 +189,10 @@ def test_restart_between_partial_checkpoints_folds_the_partial_and_the_blobs_aft
         for i, d in enumerate(devices[:-1]):
             send(coordinator, d, shifted(float(i)), 10 + i)
     files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
-    assert files == ["model-r1.safetensors", f"partial-r1-{PARTIAL_EVERY}.safetensors",
-                     *(f"update-r1-{d}.safetensors" for d in devices[PARTIAL_EVERY:-1])]
+    assert files == ["model-r1.safetensors", f"partial-r1-{PARTIAL_EVERY}.safetensors"]
+    kept = json.loads((tmp_path / "state.json").read_text())["strategy"]["updates"]  # after the partial, in slots
+    assert {d: slot["file"] for d, slot in kept.items()} == {d: f"slot-{i}.bin"
+                                                             for i, d in enumerate(devices[PARTIAL_EVERY:-1])}
     del c  # killed: only the state directory survives
     if earlier:
         rewrite_as_earlier(tmp_path)
@@ -622,7 +624,7 @@ def test_a_state_json_with_the_registry_inline_is_migrated_at_start(tmp_path: Pa
     send(c, "a", shifted(1.0), 10)
     state_path = tmp_path / "state.json"
     [registry] = registry_files(tmp_path)
-    old = earlier_layout(json.loads(state_path.read_text()), json.loads(registry.read_text()))  # by hand
+    old = earlier_layout(json.loads(state_path.read_text()), json.loads(registry.read_text()), tmp_path)  # by hand
     registry.unlink()
     state_path.write_text(json.dumps(old))
 

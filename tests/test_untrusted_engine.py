@@ -474,7 +474,8 @@ def test_hostile_frames_never_raise_are_answered_and_leave_the_honest_update_exa
             assert c.counters["internal_error"] == 0
             out = send(c, "update", "honest", chunks(safetensors(HONEST), meta(30), "h1"), 5.0)
             assert answers(out, "honest") == [] and "honest" in c.round.folded
-            weighted = [(HONEST if d == "honest" else load((state / f"update-r1-{d}.safetensors").read_bytes()),
+            kept = json.loads((state / "state.json").read_text())["strategy"]["updates"]  # what the engine wrote
+            weighted = [(HONEST if d == "honest" else load((state / kept[d]["file"]).read_bytes()[:kept[d]["size"]]),
                          f.n_samples) for d, f in c.round.folded.items()]  # in the order they were folded
             close(c)
             for name in HONEST:  # the engine's arithmetic redone: float64 Σ n_j W_j, times 1 / Σ n_j, float32

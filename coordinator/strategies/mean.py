@@ -1,8 +1,8 @@
 """The plain rounds: the n_j-weighted mean (streaming, O(model)) or a robust rule over clear updates.
 
-Each accepted update is folded at once and checkpointed as its blob as received; every PARTIAL_EVERY
-updates the streaming rule's float64 sum is written instead and the blobs it covers deleted, so a
-restart resumes the sum bit for bit, then folds the blobs after it (docs/reliability.md).
+Each accepted update is folded at once and checkpointed as its blob as received, in a reused slot file;
+every PARTIAL_EVERY updates the streaming rule's float64 sum is written instead and the slots it covers
+freed, so a restart resumes the sum bit for bit, then folds the blobs after it (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Mean(Strategy):
         super().__init__(manifest, store, topics, fleet)
         self.aggregator, self.clip_norm = aggregator, clip_norm
         self.partial: str | None = None  # the rule's float64 running sum, if one was written this round
-        self.updates: dict[str, str] = {}  # device -> its accepted update as received, after the partial
+        self.updates: dict[str, dict[str, Any]] = {}  # device -> the slot of its update (as received) after the partial
 
     def open(self, number: int, model: Mapping[str, np.ndarray], finished: bool) -> None:
         super().open(number, model, finished)
@@ -64,9 +64,9 @@ class Mean(Strategy):
         if self._streaming() and len(self.updates) + 1 >= PARTIAL_EVERY:
             self.partial = self.store.write_tensors(f"partial-r{self.number}-{self.rule.count}.safetensors",
                                                     self.rule.sums())
-            self.updates = {}  # the partial covers them; the commit deletes their files
-        else:
-            self.updates[device] = self.store.write_bytes(f"update-r{self.number}-{device}.safetensors", blob)
+            self.updates = {}  # the partial covers them: their slots are free once the commit names it
+        else:  # the next slot: the committed state names slots 0 .. len(updates) - 1 alone
+            self.updates[device] = self.store.write_slot(len(self.updates), blob)
         return True, []
 
     def _prepared(self, tensors: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
@@ -88,9 +88,11 @@ class Mean(Strategy):
         self.rule, self.partial, self.updates = self._new_rule(), part.get("partial"), {}
         if self.partial:
             self.rule = self._resumed(self.store.read_tensors(self.partial), part, round_)
-        for device, blob_name in part.get("updates", {}).items():
-            self.updates[device] = blob_name
-            tensors = decode_shared(self.manifest, self.store.read_bytes(blob_name), base=self.model)
+        for device, kept in part.get("updates", {}).items():
+            # a state.json of an earlier release names a file of its own per blob
+            blob = self.store.read_bytes(kept) if isinstance(kept, str) else self.store.read_slot(kept)
+            self.updates[device] = self.store.write_slot(len(self.updates), blob) if isinstance(kept, str) else kept
+            tensors = decode_shared(self.manifest, blob, base=self.model)
             self.rule.add(self._prepared(tensors), round_.folded[device].n_samples)
 
     def _resumed(self, sums: dict[str, np.ndarray], part: Mapping[str, Any], round_: RoundRecord) -> Any:
