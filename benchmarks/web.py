@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +28,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from conftest import MOSQUITTO, Broker  # noqa: E402  (the test suite's Mosquitto launcher)
-from helpers.page import PageServer, write_images  # noqa: E402
+from helpers.page import write_images  # noqa: E402
+from helpers.websocket import WEBSOCKIFY, Websockify  # noqa: E402
 
+from fedper.coordinator.web import WebServer  # noqa: E402
 from fedper.edge.ort_backend import OrtBackend  # noqa: E402
 from fedper.export.exporter import export_artifacts  # noqa: E402
 from fedper.manifest import Manifest  # noqa: E402
@@ -41,10 +44,10 @@ LR = 0.01
 
 def page_speed(export: Path, threads: int, samples: int, repeats: int) -> dict[str, Any]:
     """The page's session start and samples/s (web/test/browser/bench.mjs) for `export` on `threads` threads."""
-    with PageServer(WEB / "dist", export, {}) as server:
-        done = subprocess.run(["node", str(WEB / "test" / "browser" / "bench.mjs"), server.origin, str(threads),
-                               str(samples), str(BATCH), str(repeats)], cwd=WEB, capture_output=True, text=True,
-                              timeout=1800, check=False)
+    with WebServer(WEB / "dist", export, "bench", "ws://127.0.0.1:9/", host="127.0.0.1") as server:
+        done = subprocess.run(["node", str(WEB / "test" / "browser" / "bench.mjs"), server.url().rstrip("/"),
+                               str(threads), str(samples), str(BATCH), str(repeats)], cwd=WEB, capture_output=True,
+                              text=True, timeout=1800, check=False)
     if done.returncode:
         raise RuntimeError(f"the page's benchmark failed: {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -64,29 +67,30 @@ def python_speed(export: Path, samples: int, repeats: int) -> list[float]:
 
 
 def round_over_websockets(export: Path, work: Path) -> dict[str, Any]:
-    """Two FedPer rounds with the page (over websockify) and one Python agent (over TCP): the coordinator's
-    metrics of round 2 and each device's upload, from the page's and the agent's logs."""
+    """Two FedPer rounds with the page (served by fedper-coordinator --web-port, its broker through websockify) and
+    one Python agent (over TCP): the coordinator's metrics of round 2, and the page's training lines."""
     from helpers.processes import Processes, agent_args, coordinator_args, write_device_data
 
-    if MOSQUITTO is None or shutil.which("websockify") is None:
+    if MOSQUITTO is None or WEBSOCKIFY is None:
         return {"skipped": "mosquitto or websockify is not installed"}
+    work.mkdir(parents=True)
     broker = Broker(work, extra_conf="max_queued_messages 10000")
     broker.start()
+    bridge = Websockify(work, broker.port)
     processes = Processes(work)
     try:
-        websocket = free_port()
-        processes.procs.append(subprocess.Popen(["websockify", f"127.0.0.1:{websocket}", f"127.0.0.1:{broker.port}"],
-                                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        state = work / "coordinator"
-        processes.start("coordinator", *coordinator_args(export, broker.url, state, "bench", 2, 2, 600))
+        bridge.wait_ready()
+        state, web = work / "coordinator", free_port()
+        processes.start("coordinator", *coordinator_args(export, broker.url, state, "bench", 2, 2, 600),
+                        "--web-port", str(web), "--web-host", "127.0.0.1", "--web-broker", bridge.url)
         data = write_device_data(work / "agent.npz", (0, 1, 2, 3), 100)
         processes.start("agent", *agent_args(export, data, broker.url, "bench", "python-1", work / "agent"))
         write_images(work / "images", (0, 1, 2, 3), 100, offset=300)
-        config = {"broker": f"ws://127.0.0.1:{websocket}", "fleet": "bench", "artifacts": "artifacts/"}
-        with PageServer(WEB / "dist", export, config) as server:
-            driver = WEB / "test" / "browser" / "drive.mjs"
-            done = subprocess.run(["node", str(driver), f"{server.origin}/?device=web-1&batch=16", str(work / "images"),
-                                   "0", "900"], cwd=WEB, capture_output=True, text=True, timeout=1000, check=False)
+        time.sleep(5)  # the coordinator's page server starts with it
+        driver = WEB / "test" / "browser" / "drive.mjs"
+        done = subprocess.run(["node", str(driver), f"http://127.0.0.1:{web}/?device=web-1&batch=16",
+                               str(work / "images"), "0", "900"], cwd=WEB, capture_output=True, text=True,
+                              timeout=1000, check=False)
         result = json.loads(done.stdout.strip().splitlines()[-1])
         if "error" in result:
             raise RuntimeError(f"the page's round failed: {result['error']}")
@@ -95,6 +99,7 @@ def round_over_websockets(export: Path, work: Path) -> dict[str, Any]:
         return {"round": last, "page_log": [line for line in result["log"] if "trained" in line]}
     finally:
         processes.kill_all()
+        bridge.stop()
         broker.stop()
 
 

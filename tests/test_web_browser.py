@@ -1,9 +1,10 @@
 """A phone's browser as a device, for real: Debian's chromium (driven by puppeteer-core, web/test/browser/drive.mjs)
-opens the web agent's page, picks digit images with its file picker, and takes part in FedPer rounds with two
-fedper-agents under the real fedper-coordinator, through a real Mosquitto that the page reaches over WebSockets
-(websockify in front of its TCP listener). The page reloads once its second update is out and rejoins with its
-head from IndexedDB. Every update frame on the broker is captured: none carries a head tensor; every round folds
-the page's update."""
+opens the web agent's page where the real fedper-coordinator serves it (--web-port: the page, the export and
+config.json, cross-origin isolated), picks digit images with its file picker, and takes part in FedPer rounds with
+two fedper-agents, through a real Mosquitto that the page reaches over WebSockets (websockify in front of its TCP
+listener, the ws_broker fixture). The page reloads once its second update is out and rejoins with its head from
+IndexedDB. Every update frame on the broker is captured: none carries a head tensor; every round folds the page's
+update."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from pathlib import Path
 
 import paho.mqtt.client as paho
 import pytest
-from helpers.page import PageServer, write_images
+from helpers.page import write_images
 from helpers.processes import agent_args, coordinator_args, write_device_data
+from helpers.websocket import wait_listening
 
 from fedper.manifest import Manifest
 from fedper.ports import free_port
@@ -30,19 +32,14 @@ ROUNDS = 4
 pytestmark = [
     pytest.mark.mosquitto,
     pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium is not installed (make chromium)"),
-    pytest.mark.skipif(shutil.which("websockify") is None, reason="websockify is not installed (make chromium)"),
     pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed"),
     pytest.mark.skipif(not (ROOT / "web" / "dist" / "index.html").is_file(), reason="the page is not built (make web)"),
 ]
 
 
 @pytest.mark.timeout(600)
-def test_a_browser_page_takes_part_in_fedper_rounds(mosquitto, tiny_artifacts, processes, tmp_path):
-    websocket = free_port()
-    processes.procs.append(subprocess.Popen(  # websockify: Debian Mosquitto's own WebSocket listener is slow to send
-        ["websockify", f"127.0.0.1:{websocket}", f"127.0.0.1:{mosquitto.port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    config = {"broker": f"ws://127.0.0.1:{websocket}", "fleet": FLEET, "artifacts": "artifacts/"}
+def test_a_browser_page_takes_part_in_fedper_rounds(ws_broker, tiny_artifacts, processes, tmp_path):
+    mosquitto = ws_broker.broker
     manifest = Manifest.load(tiny_artifacts)
     topics = Topics(FLEET)
     updates: list[tuple[str, list[str]]] = []
@@ -61,19 +58,21 @@ def test_a_browser_page_takes_part_in_fedper_rounds(mosquitto, tiny_artifacts, p
     spy.subscribe(f"{topics.base}/update/#", qos=1)
     spy.loop_start()
 
-    state = tmp_path / "coordinator"
-    processes.start("coordinator", *coordinator_args(tiny_artifacts, mosquitto.url, state, FLEET, ROUNDS, 3, 300))
+    state, web = tmp_path / "coordinator", free_port()
+    coordinator = processes.start(
+        "coordinator", *coordinator_args(tiny_artifacts, mosquitto.url, state, FLEET, ROUNDS, 3, 300),
+        "--web-port", str(web), "--web-host", "127.0.0.1", "--web-broker", ws_broker.url)
     for j, classes in enumerate([(0, 1), (2, 3)]):
         data = write_device_data(tmp_path / f"agent{j}.npz", classes, 50)
         processes.start(f"agent{j}", *agent_args(tiny_artifacts, data, mosquitto.url, FLEET, f"python-{j}",
                                                  tmp_path / f"agent{j}"))
     images = tmp_path / "images"
     write_images(images, (0, 1, 2, 3), 60, offset=300)
+    wait_listening(web, coordinator, tmp_path / "coordinator.log", timeout=120)
     started = time.monotonic()
-    with PageServer(ROOT / "web" / "dist", tiny_artifacts, config) as server:
-        url = f"{server.origin}/?device=web-1&seed=3&batch=16&lr=0.02"
-        done = subprocess.run(["node", str(DRIVER), url, str(images), "2", "420"], cwd=ROOT / "web",
-                              capture_output=True, text=True, timeout=480)
+    url = f"http://127.0.0.1:{web}/?device=web-1&seed=3&batch=16&lr=0.02"
+    done = subprocess.run(["node", str(DRIVER), url, str(images), "2", "420"], cwd=ROOT / "web", capture_output=True,
+                          text=True, timeout=480)
     seconds = time.monotonic() - started
     spy.loop_stop()
     result = json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else {"error": done.stderr}
