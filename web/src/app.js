@@ -1,6 +1,7 @@
 // The page: a device of the fleet. Reads /config.json (broker, fleet, artifacts; the URL's ?broker=, ?fleet=,
-// ?device= and the training options override it), loads and checks the export, keeps the user's images and the
-// device's state in IndexedDB, and runs the agent over MQTT on WebSockets. Everything else is in the modules.
+// ?device= and the training options override it) and a provisioning link's #device=&password=, loads and checks the
+// export, keeps the user's images and the device's state in IndexedDB, and runs the agent over MQTT on WebSockets.
+// Everything else is in the modules.
 
 import * as ort from './vendor/ort/ort.training.wasm.mjs';
 import mqtt from './vendor/mqtt.esm.js';
@@ -47,16 +48,22 @@ async function settings() {
   };
 }
 
-/** This browser's device id: ?device=, else one drawn once and kept. */
-async function deviceId(chosen) {
-  if (chosen) return chosen;
+/** This browser's device id and broker password: ?device=, else the provisioning link's fragment
+ * (#device=ID&password=PW, deploy/provision-device.sh: a fragment never reaches a server), kept with the browser's
+ * state and removed from the address bar, else what was kept, else an id drawn once (and no password). */
+async function identity(chosen) {
   const shared = await IndexedDBStore.open(indexedDB, 'fedper');
-  let id = await shared.get('identity');
-  if (!id) {
-    id = `web-${[...crypto.getRandomValues(new Uint8Array(4))].map((b) => b.toString(16).padStart(2, '0')).join('')}`;
-    await shared.put('identity', id);
+  const fragment = new URLSearchParams(location.hash.slice(1));
+  if (fragment.has('device')) {
+    await shared.put('identity', { device: fragment.get('device'), password: fragment.get('password') ?? undefined });
+    history.replaceState(null, '', location.pathname + location.search);
   }
-  return id;
+  let kept = await shared.get('identity');
+  if (!kept?.device) {
+    kept = { device: `web-${[...crypto.getRandomValues(new Uint8Array(4))].map((b) => b.toString(16).padStart(2, '0')).join('')}` };
+    await shared.put('identity', kept);
+  }
+  return chosen && chosen !== kept.device ? { device: chosen } : kept;
 }
 
 /** A picked image file as RGB bytes at the model's input size (decoded by the browser, resized as Pillow does). */
@@ -75,7 +82,7 @@ async function decode(file, width, height) {
 
 async function main() {
   const s = await settings();
-  const device = await deviceId(s.device);
+  const { device, password } = await identity(s.device);
   $('who').textContent = `device ${device} · fleet ${s.fleet ?? '?'} · broker ${s.broker ?? '?'}`;
   if (!s.broker || !s.fleet) throw new Error('no broker or fleet: open the URL the coordinator prints, or add ?broker=ws://HOST:PORT&fleet=NAME');
   const store = await IndexedDBStore.open(indexedDB, `fedper-${device}`);
@@ -115,7 +122,8 @@ async function main() {
     await agent.restore();
     log(`${device}: ${data.yTrain.length} training / ${data.yTest.length} test images, connecting to ${s.broker}`);
     wakeLock = await navigator.wakeLock?.request('screen').catch(() => null); // a sleeping phone stops training
-    run = runAgent(agent, mqtt, s.broker, { log, onChange: () => status(describe()) });
+    const credentials = password ? { username: device, password } : {};
+    run = runAgent(agent, mqtt, s.broker, { ...credentials, log, onChange: () => status(describe()) });
     showCounts();
     status(describe());
     run.done.then((reason) => {
