@@ -40,6 +40,7 @@ from fedper.ports import free_port  # noqa: E402
 WEB = ROOT / "web"
 BATCH = 32
 LR = 0.01
+FLEET_TRAINING = {"lr": 0.05, "batch": 32, "epochs": 2, "images": 300}  # the accuracy fleets' devices, as the demo's
 
 
 def page_speed(export: Path, threads: int, samples: int, repeats: int) -> dict[str, Any]:
@@ -115,29 +116,35 @@ def digits_npz(path: Path, classes: tuple[int, ...], count: int, offset: int) ->
 
 
 def fleet_accuracy(export: Path, work: Path, device: str, seed: int, rounds: int) -> dict[str, Any]:
-    """FedPer rounds of two devices, a Python agent (other digits) and the device measured, `device` "python" or
-    "page": that device's final personalized accuracy and the coordinator's per-round mean."""
-    from helpers.processes import Processes, agent_args, coordinator_args
+    """FedPer rounds of two devices, a Python agent (digits 1-3) and the device measured (digits 0-2), `device`
+    "python" or "page", both trained as FLEET_TRAINING says: that device's final personalized accuracy and the
+    coordinator's per-round mean."""
+    from helpers.processes import Processes, coordinator_args
 
+    t = FLEET_TRAINING
     work.mkdir(parents=True)
     broker = Broker(work)
     broker.start()
     processes = Processes(work)
+
+    def agent(name: str, data: Path, agent_seed: int) -> list[str]:
+        return ["-m", "fedper.edge.cli", "--artifacts", str(export), "--data", str(data), "--broker", broker.url,
+                "--fleet", "acc", "--client-id", name, "--state-dir", str(work / name), "--batch-size", str(t["batch"]),
+                "--lr", str(t["lr"]), "--local-epochs", str(t["epochs"]), "--seed", str(agent_seed)]
+
     try:
         state = work / "coordinator"
         processes.start("coordinator", *coordinator_args(export, broker.url, state, "acc", rounds, 2, 600))
-        other = digits_npz(work / "other.npz", (0, 1, 2, 3), 80, 200)
-        processes.start("other", *agent_args(export, other, broker.url, "acc", "other", work / "other"))
+        processes.start("other", *agent("other", digits_npz(work / "other.npz", (1, 2, 3), t["images"], 0), 9))
         if device == "python":
-            mine = digits_npz(work / "mine.npz", (0, 1, 2, 3), 80, 0)
-            args = agent_args(export, mine, broker.url, "acc", "measured", work / "mine")
-            args[args.index("--seed") + 1] = str(seed)
-            processes.start("measured", *args).wait(timeout=1800)
-            final = json.loads((work / "mine" / "final.json").read_text())["accuracy"]
+            processes.start("measured", *agent("measured", digits_npz(work / "mine.npz", (0, 1, 2), t["images"], 0),
+                                               seed)).wait(timeout=1800)
+            final = json.loads((work / "measured" / "final.json").read_text())["accuracy"]
         else:
             done = subprocess.run(["node", str(WEB / "test" / "device.mjs"), broker.url, "acc", "measured", str(export),
-                                   "[0,1,2,3]", "80", "0", str(seed), "0.02", "16"], cwd=WEB, capture_output=True,
-                                  text=True, timeout=1800, check=False)
+                                   "[0,1,2]", str(t["images"]), "0", str(seed), str(t["lr"]), str(t["batch"]),
+                                   str(t["epochs"])], cwd=WEB, capture_output=True, text=True, timeout=1800,
+                                  check=False)
             final = json.loads(done.stdout.strip().splitlines()[-1])["final"]
         lines = [json.loads(line) for line in (state / "metrics.jsonl").read_text().splitlines()]
         return {"final": final, "accuracy_mean": [r["accuracy_mean"] for r in lines]}
@@ -167,7 +174,7 @@ def run(out: Path, quick: bool = False) -> str:
         accuracy_export = Path(tmp) / "fedper"
         export_artifacts(accuracy_export, model="mobilenet_v1", kp=2, num_classes=4, input_size=32, width=0.25,
                          classes=("0", "1", "2", "3"))
-        rounds = 3 if quick else 8
+        rounds = 3 if quick else 6
         accuracy = {f"{device}-seed{seed}": fleet_accuracy(accuracy_export, Path(tmp) / f"acc-{device}-{seed}",
                                                            device, seed, rounds)
                     for device, seed in (("python", 3), ("page", 3), ("python", 4), ("page", 4))}
@@ -182,8 +189,9 @@ def run(out: Path, quick: bool = False) -> str:
                  f"received, broadcast {r['broadcast_s']:.2f} s, collect {r['collect_s']:.2f} s, aggregate "
                  f"{r['aggregate_s']:.2f} s; the page: {fleet['page_log'][-1] if fleet['page_log'] else '?'}")
     acc_rows = [[name, r["final"], " ".join(f"{a:.3f}" for a in r["accuracy_mean"])] for name, r in accuracy.items()]
-    text += (f"\n\nFedPer, {rounds} rounds, two devices (MobileNet-v1 x0.25 K_P=2, 80 digits each); the measured "
-             "device as a Python agent or as the page (node), same data and seed:\n\n"
+    text += (f"\n\nFedPer, {rounds} rounds, two devices (MobileNet-v1 x0.25 K_P=2, {FLEET_TRAINING['images']} digits "
+             "of three classes each); the measured device as a Python agent or as the page (node), same data and "
+             "seed:\n\n"
              + table(["measured device", "its final accuracy", "fleet's mean accuracy by round"], acc_rows))
     return f"MobileNet-v1 width {width}, 32x32, batch {BATCH}:\n\n{text}"
 
