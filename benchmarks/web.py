@@ -174,7 +174,7 @@ def run(out: Path, quick: bool = False) -> str:
         accuracy_export = Path(tmp) / "fedper"
         export_artifacts(accuracy_export, model="mobilenet_v1", kp=2, num_classes=4, input_size=32, width=0.25,
                          classes=("0", "1", "2", "3"))
-        rounds = 3 if quick else 6
+        rounds = 3 if quick else 10
         accuracy = {f"{device}-seed{seed}": fleet_accuracy(accuracy_export, Path(tmp) / f"acc-{device}-{seed}",
                                                            device, seed, rounds)
                     for device, seed in (("python", 3), ("page", 3), ("python", 4), ("page", 4))}
