@@ -413,6 +413,19 @@ class Identity:
             raise IdentityError(f"{directory}: {CERTIFICATE_FILE} is not signed by the root in {ROOT_FILE}")
         return cls(key, certificate, root)
 
+    def save(self, directory: Path) -> Path:
+        """The three files `load` reads (identity.pem mode 600), as deploy/provision-identity.sh writes them."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        key = directory / IDENTITY_KEY_FILE
+        key.touch(mode=0o600)
+        key.write_bytes(self.key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+        (directory / CERTIFICATE_FILE).write_bytes(self.certificate.to_json())
+        (directory / ROOT_FILE).write_bytes(self.root.public_bytes(serialization.Encoding.PEM,
+                                                                   serialization.PublicFormat.SubjectPublicKeyInfo))
+        return directory
+
     def sign(self, message: bytes) -> bytes:
         return self.key.sign(message)
 
