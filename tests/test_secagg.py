@@ -548,3 +548,37 @@ def test_a_100k_vector_sums_exactly_up_to_quantization() -> None:
     for (device, _), size in traffic.items():
         per_device[device] = per_device.get(device, 0) + size
     assert all(4 * 100_000 < b < 4 * 100_000 + 6144 for b in per_device.values())  # fp32-sized plus a few KiB
+
+
+def test_the_vectors_signatures_verify_over_the_documented_bytes() -> None:
+    """docs/protocol.md, 6.9's byte layouts, written out here with struct and the cryptography package alone: the
+    certificate (context, fleet, device, key, NUL-separated), the advert (protocol, " advert", session as u64,
+    device, NUL, c, s) and the survivors (protocol, " survivors", setup digest, u32 count, u32 indices) verify
+    in tests/vectors under the vectors' root."""
+    import json
+    import struct
+    from pathlib import Path
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    vectors = Path(__file__).parent / "vectors"
+
+    def load(name: str) -> dict:
+        return json.loads((vectors / f"{name}.expected.json").read_text())
+
+    advert = load("secagg-advertise")
+    message, raw = advert["message"], {k: base64.b64decode(v) for k, v in advert["message"].items()
+                                       if k in ("c_public", "s_public", "identity", "certificate", "signature")}
+    root = Ed25519PublicKey.from_public_bytes(base64.b64decode(advert["root"]))
+    root.verify(raw["certificate"], b"fedper-identity/1\0demo\0phone-1\0" + raw["identity"])
+    identity = Ed25519PublicKey.from_public_bytes(raw["identity"])
+    identity.verify(raw["signature"], b"fedper-secagg/2 advert" + struct.pack(">Q", message["session"])
+                    + b"phone-1\0" + raw["c_public"] + raw["s_public"])
+    survivors = b"fedper-secagg/2 survivors" + bytes.fromhex(advert["setup_digest"]) + struct.pack(">4I", 3, 0, 1, 2)
+    up = load("secagg-consistency-up")
+    identity.verify(base64.b64decode(up["message"]["signature"]), survivors)
+    for index, text in load("secagg-unmask-down")["message"]["signatures"].items():
+        signer = base64.b64decode(text)
+        root.verify(signer[32:96], b"\0".join((b"fedper-identity/1", b"demo", ("phone-1", "phone-2")[int(index)]
+                                              .encode(), signer[:32])))
+        Ed25519PublicKey.from_public_bytes(signer[:32]).verify(signer[96:], survivors)
