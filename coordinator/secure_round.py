@@ -171,6 +171,7 @@ class SecureRound:
     result: AggregateResult | None = None
     failure: str = ""
     reported: tuple[str, ...] = ()  # devices left out of the session by their neighbours' reports
+    _outcomes: list[GroupOutcome] | None = None
 
     @property
     def clip(self) -> float:
@@ -363,6 +364,8 @@ class SecureRound:
         the noise's norm). A mean beyond that means a device sent values beyond its clip norm (each value is only
         bounded by the quantization range): that group's sum is not released."""
         assert self.result is not None
+        if self._outcomes is not None:
+            return self._outcomes
         out = []
         for group in self.result.groups:
             devices = tuple(self.roster[u] for u in group.survivors)
@@ -376,6 +379,7 @@ class SecureRound:
                 out.append(GroupOutcome(devices, False, why, True))
             else:
                 out.append(GroupOutcome(devices, True))
+        self._outcomes = out
         return out
 
     def _weight(self, devices: Sequence[str]) -> float:
