@@ -43,10 +43,12 @@ invites someone else), and checks again after `recheck_s` (`tick()`), at the nex
 invitation; once they hold it publishes `online` again and takes part.
 
 Secure aggregation (fedper.edge.secure_round): when RoundInfo names a `secagg_session`, the device sends
-no clear update: it advertises fresh keys for that session, then answers the coordinator's relayed stages
-on `relay/<device>` (shares, masked input as the update's chunks, unmask), once per session; a new session
-in the same round (the coordinator restarted, or the last one failed) gets fresh keys and the saved update
-again. With --secure-aggregation the device never sends its update in the clear, whatever RoundInfo says.
+no clear update: with its --identity it advertises fresh signed keys for that session, then answers the
+coordinator's relayed stages on `relay/<device>` (shares, share report, masked input as the update's chunks,
+survivor signature, unmask), once per session; a new session in the same round (the coordinator restarted, or
+the last one failed before revealing anything) gets fresh keys and the saved update again, unless the device
+answered an unmask request in the round. With --secure-aggregation the device never sends its update in the
+clear, whatever RoundInfo says.
 
 What reaches the device is checked as the coordinator checks what reaches it: a RoundInfo for
 another export, an impossible round, an oversized model or a round this device already passed,
