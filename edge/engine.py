@@ -43,10 +43,12 @@ invites someone else), and checks again after `recheck_s` (`tick()`), at the nex
 invitation; once they hold it publishes `online` again and takes part.
 
 Secure aggregation (fedper.edge.secure_round): when RoundInfo names a `secagg_session`, the device sends
-no clear update: it advertises fresh keys for that session, then answers the coordinator's relayed stages
-on `relay/<device>` (shares, masked input as the update's chunks, unmask), once per session; a new session
-in the same round (the coordinator restarted, or the last one failed) gets fresh keys and the saved update
-again. With --secure-aggregation the device never sends its update in the clear, whatever RoundInfo says.
+no clear update: with its --identity it advertises fresh signed keys for that session, then answers the
+coordinator's relayed stages on `relay/<device>` (shares, share report, masked input as the update's chunks,
+survivor signature, unmask), once per session; a new session in the same round (the coordinator restarted, or
+the last one failed before revealing anything) gets fresh keys and the saved update again, unless the device
+answered an unmask request in the round. With --secure-aggregation the device never sends its update in the
+clear, whatever RoundInfo says.
 
 What reaches the device is checked as the coordinator checks what reaches it: a RoundInfo for
 another export, an impossible round, an oversized model or a round this device already passed,
@@ -138,6 +140,7 @@ class AgentConfig:
     recheck_s: float = 60.0  # while not eligible, check the conditions again after this long
     reconnect_spread_s: float = 30.0  # after losing the broker, reconnect within this window (fedper.mqtt.Backoff)
     secure_aggregation: bool = False  # never send the update in the clear: only under a SecAgg+ session
+    identity: Path | None = None  # secure aggregation: the device's identity directory (deploy/provision-identity.sh)
 
 
 @dataclass(frozen=True)
@@ -519,8 +522,10 @@ class Agent:
 
     def _secure_advert(self, info: RoundInfo, saved: Saved, model: Mapping[str, np.ndarray]) -> list[Outgoing]:
         """Stage 1 of the session RoundInfo names: fresh keys, once per session (a republished RoundInfo of the
-        same session is no reason to start again: the coordinator may be past this stage)."""
+        same session is no reason to start again: the coordinator may be past this stage); none once this device
+        revealed shares in the round, or without an identity (the participant says why)."""
         from fedper.edge.secure_round import SecureParticipant  # cryptography: the privacy extra
+        from fedper.secagg import SecAggError
 
         self._sent_round = saved.round
         current = self._secure
@@ -529,13 +534,22 @@ class Agent:
         c = self.config
         meta = UpdateMeta(round=saved.round, n_samples=saved.n_samples, base_digest=saved.base_digest,
                           metrics=saved.metrics, codec=SECAGG_CODEC)
-        self._secure = SecureParticipant(self.topics, c.client_id, saved.round, int(info.secagg_session or 0),
-                                         self.manifest, saved.update, model, saved.n_samples, meta, c.chunk_size)
+        participant = SecureParticipant(self.topics, c.client_id, saved.round, int(info.secagg_session or 0),
+                                        self.manifest, saved.update, model, saved.n_samples, meta, c.chunk_size,
+                                        c.identity, c.state_dir, info.sha256)
+        self._secure = participant  # also when it refuses: once per session
+        try:
+            advert = participant.advertise()
+        except SecAggError as e:
+            self.log(f"round {saved.round}: secure aggregation session {info.secagg_session}: not taking part: {e}")
+            return []
         self.log(f"round {saved.round}: secure aggregation session {info.secagg_session}: keys advertised")
-        return [self._secure.advertise()]
+        return [advert]
 
     def _on_relay(self, payload: bytes) -> list[Outgoing]:
         """A secure-aggregation stage message from the coordinator, for the session this device is in."""
+        from fedper.edge.secure_round import SENT
+
         message = decode_secagg(payload, SECAGG_DOWN)
         secure = self._secure
         if secure is None:
@@ -547,8 +561,7 @@ class Agent:
             self.log(f"round {secure.round}: refused the coordinator's secure-aggregation {message.stage} message "
                      f"({type(e).__name__}: {e}); nothing sent for it")
             return []
-        done = {"neighbours": "shares sent", "shares": "masked input sent", "unmask": "unmask shares sent"}
-        self.log(f"round {secure.round}: secure aggregation session {secure.session}: {done[message.stage]}")
+        self.log(f"round {secure.round}: secure aggregation session {secure.session}: {SENT[message.stage]}")
         return out
 
     def _finish(self, info: RoundInfo, model: Mapping[str, np.ndarray]) -> None:
