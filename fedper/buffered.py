@@ -1,0 +1,236 @@
+"""Buffered asynchronous aggregation (FedBuff: Nguyen et al., AISTATS 2022), one rule for the coordinator and
+the emulator: devices train at their own pace, and the model moves every K deltas instead of every round.
+
+A device downloads model version v_j, trains, and uploads its base delta Δ_j = trained - downloaded
+(`base_delta`) tagged with v_j. While version v is current the delta's staleness is s_j = v - v_j, and
+`Buffer.fold` refuses it (`Refused`) when s_j > max_staleness, when v_j is not released yet, or when its id
+was folded already. Otherwise Δ_j is clipped to an L2 norm of clip_norm over all its tensors when one is set
+(fedper.privacy.clip_delta, as --clip-norm clips a synchronous update), scaled by w(s_j), and folded with
+weight n_j into fedper.aggregation's rule. After K folded deltas the buffer releases version v + 1:
+
+    model_{v+1} = model_v + server_lr * Σ_j n_j w(s_j) Δ_j / Σ_j n_j
+
+Normalization. FedBuff's Algorithm 1 sums the staleness-scaled deltas and divides by K, each delta counted
+once. Here each delta weighs n_j, as in FedPer's synchronous mean, so the denominator is Σ_j n_j (K n when
+every device has n samples: the paper's rule). w(s) stays out of the denominator as in the paper: a buffer of
+stale deltas takes a shorter step. (FLSim's FedBuff divides by Σ_j w_j n_j instead, which keeps the step's
+length whatever the staleness.) With every s_j = 0, server_lr = 1 and K the round's updates it is the
+synchronous round: model + mean(trained - model) = mean(trained), to float64 rounding.
+
+Robust rules (aggregator "median" or "trimmed-mean", fedper.aggregation) take the w(s_j)-scaled deltas in
+place of the mean and ignore n_j, as in synchronous rounds; they keep the buffer's K deltas (memory
+O(K x model)), the mean only its float64 sum (O(model)).
+
+Staleness functions (`Staleness`; Xie et al. 2019, FedAsync, section 5.2):
+    constant     w(s) = 1
+    polynomial   w(s) = (1 + s)^-a                      a = 1/2: FedBuff's 1/sqrt(1 + s), the default
+    hinge        w(s) = 1 if s <= b, else 1 / (a (s - b) + 1)
+
+State. The current version and model, the open buffer (the rule's float64 sum, or its deltas, and a record
+per folded delta) and the ids of the deltas folded from versions still within max_staleness, so that a
+delta sent again (a device retrying after a restart) is refused, never folded twice. The whole state is
+`checkpoint()`: tensors (write them with fedper.checkpoint, safetensors) and one JSON document; no clock and
+no randomness, so `Buffer.resume` continues bit for bit: the same folds after it give the same bits.
+
+For the callers. Tensors are numpy arrays, the shared (base) tensors only; the head never reaches the buffer.
+The coordinator folds each accepted update and writes `checkpoint()` with its own commit; the emulator
+(fedper.emulate.async_fleet) does the same on a simulated clock. Either must know the model a device
+downloaded to form its delta (`base_delta`), unless the device sends the delta itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fedper.aggregation import RULES, WeightedMean, check_layout
+from fedper.privacy import clip_delta
+
+FORMAT = "fedper-buffer-1"  # the checkpoint's JSON "format": a later layout reads or refuses it by this
+STALENESS_KINDS = ("constant", "polynomial", "hinge")
+_ORIGIN = np.zeros(())  # a delta's norm is its distance to the origin: clip_delta(delta, origin) clips a delta
+
+
+@dataclass(frozen=True)
+class Staleness:
+    """w(s), the weight of a delta trained on a model s versions old (see the module's table)."""
+
+    kind: str = "polynomial"
+    a: float = 0.5
+    b: int = 0  # hinge: deltas up to b versions old keep their full weight
+
+    def __post_init__(self) -> None:
+        if self.kind not in STALENESS_KINDS:
+            raise ValueError(f"unknown staleness function {self.kind!r}; choose one of {', '.join(STALENESS_KINDS)}")
+        if not (math.isfinite(self.a) and self.a >= 0) or isinstance(self.b, bool) or not (
+                isinstance(self.b, int) and self.b >= 0):
+            raise ValueError(f"staleness a must be a finite number >= 0 and b an integer >= 0, got {self.a}, {self.b}")
+
+    def weight(self, staleness: int) -> float:
+        if self.kind == "constant":
+            return 1.0
+        if self.kind == "polynomial":
+            return (1.0 + staleness) ** -self.a
+        return 1.0 if staleness <= self.b else 1.0 / (self.a * (staleness - self.b) + 1.0)
+
+
+@dataclass(frozen=True)
+class BufferConfig:
+    """K (`buffer_size`), the staleness bound and function, the server step, the rule and the clip norm."""
+
+    buffer_size: int
+    max_staleness: int
+    server_lr: float = 1.0
+    staleness: Staleness = field(default_factory=Staleness)
+    aggregator: str = "mean"  # a name of fedper.aggregation.RULES
+    clip_norm: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("buffer_size", "max_staleness"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "buffer_size" else 0):
+                raise ValueError(f"{name} must be an integer >= {1 if name == 'buffer_size' else 0}, got {value!r}")
+        if not (math.isfinite(self.server_lr) and self.server_lr > 0):
+            raise ValueError(f"server_lr must be a positive number, got {self.server_lr}")
+        if self.aggregator not in RULES:
+            raise ValueError(f"unknown aggregator {self.aggregator!r}; choose one of {', '.join(RULES)}")
+        if self.clip_norm is not None and not (math.isfinite(self.clip_norm) and self.clip_norm > 0):
+            raise ValueError(f"clip_norm must be a positive number, got {self.clip_norm}")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> BufferConfig:
+        return cls(**{**body, "staleness": Staleness(**body["staleness"])})
+
+
+@dataclass(frozen=True)
+class FoldRecord:
+    """One folded delta: its id, the version it was trained on, its staleness, w(staleness) and n_j."""
+
+    update_id: str
+    version: int
+    staleness: int
+    weight: float
+    n_samples: float
+
+
+@dataclass(frozen=True)
+class Release:
+    """A new model version and the deltas it holds."""
+
+    version: int
+    model: dict[str, np.ndarray]
+    folded: tuple[FoldRecord, ...]
+
+
+class Refused(ValueError):
+    """A delta the buffer does not fold; `reason`: "too_stale", "unknown_version" or "duplicate"."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def base_delta(trained: Mapping[str, Any], downloaded: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """trained - downloaded in float64, over the tensors of `downloaded` (the shared ones a device received)."""
+    return {name: np.asarray(trained[name], np.float64) - np.asarray(value, np.float64)
+            for name, value in downloaded.items()}
+
+
+class Buffer:
+    """The FedBuff buffer over a model: `fold` deltas, a `Release` every K; `checkpoint`/`resume` its state."""
+
+    def __init__(self, config: BufferConfig, model: Mapping[str, np.ndarray], version: int = 0) -> None:
+        self.config = config
+        self.version = version
+        self.model = {name: np.array(value) for name, value in model.items()}  # its own copy, in its dtypes
+        self.folded: list[FoldRecord] = []  # the open buffer's deltas, in the order they were folded
+        self.seen: dict[str, int] = {}  # id -> version of the deltas folded within the staleness window
+        self.rule: Any = RULES[config.aggregator]()
+
+    def staleness(self, version: int) -> int:
+        """How many versions old a delta trained on `version` is now; Refused if the buffer would not fold it."""
+        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= self.version:
+            raise Refused("unknown_version", f"a delta trained on version {version!r}, but version {self.version} "
+                                             f"is the latest")
+        staleness = self.version - version
+        if staleness > self.config.max_staleness:
+            raise Refused("too_stale", f"a delta trained on version {version} is {staleness} versions old, more than "
+                                       f"the {self.config.max_staleness} allowed")
+        return staleness
+
+    def fold(self, delta: Mapping[str, np.ndarray], n_samples: float, version: int,
+             update_id: str) -> tuple[FoldRecord, Release | None]:
+        """Fold one delta, all or nothing (Refused or ValueError leave the buffer as it was); its record, and
+        the release when it was the K-th."""
+        staleness = self.staleness(version)
+        if update_id in self.seen:
+            raise Refused("duplicate", f"update {update_id!r} was folded already")
+        check_layout(delta, {name: value.shape for name, value in self.model.items()})
+        weight = self.config.staleness.weight(staleness)
+        scaled = clip_delta(delta, dict.fromkeys(delta, _ORIGIN), self.config.clip_norm or math.inf, delta)
+        if weight != 1.0:
+            for value in scaled.values():
+                np.multiply(value, weight, out=value)  # our own float64 copy
+        self.rule.add(scaled, n_samples)  # checks n_samples before it changes anything
+        record = FoldRecord(update_id, version, staleness, weight, float(n_samples))
+        self.folded.append(record)
+        self.seen[update_id] = version
+        return record, self._release() if len(self.folded) >= self.config.buffer_size else None
+
+    def _release(self) -> Release:
+        """model + server_lr * the rule's result, each tensor in its own dtype; the buffer starts empty."""
+        step = self.rule.result(np.float64) if isinstance(self.rule, WeightedMean) else self.rule.result()
+        lr = self.config.server_lr
+        self.model = {name: (value.astype(np.float64) + lr * step[name]).astype(value.dtype)
+                      for name, value in self.model.items()}
+        self.version += 1
+        release = Release(self.version, self.model, tuple(self.folded))
+        self.folded, self.rule = [], RULES[self.config.aggregator]()
+        oldest = self.version - self.config.max_staleness  # a delta of an older version is refused as too stale
+        self.seen = {key: version for key, version in self.seen.items() if version >= oldest}
+        return release
+
+    def checkpoint(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """The whole state: tensors ("model/NAME"; the mean's float64 "sum/NAME", or a robust rule's deltas
+        "delta/i/NAME") and a JSON-serializable document. The arrays are the buffer's own: write, don't modify."""
+        tensors = {f"model/{name}": value for name, value in self.model.items()}
+        rule: dict[str, Any] = {}
+        if isinstance(self.rule, WeightedMean):
+            if self.rule.count:
+                tensors |= {f"sum/{name}": value for name, value in self.rule.sums().items()}
+                rule = {"total_weight": self.rule.total_weight, "count": self.rule.count}
+        else:
+            for i, delta in enumerate(self.rule.updates()):
+                tensors |= {f"delta/{i}/{name}": value for name, value in delta.items()}
+        meta = {"format": FORMAT, "config": self.config.to_json(), "version": self.version,
+                "folded": [asdict(record) for record in self.folded], "seen": dict(self.seen), "rule": rule}
+        return tensors, meta
+
+    @classmethod
+    def resume(cls, config: BufferConfig, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> Buffer:
+        """The buffer `checkpoint()` described; ValueError if it is not one, or was written under other settings."""
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"not a buffer checkpoint (format {meta.get('format')!r}, expected {FORMAT})")
+        if BufferConfig.from_json(meta["config"]) != config:
+            raise ValueError(f"the buffer was written with {meta['config']}, not {config.to_json()}: resume it "
+                             f"with the same settings")
+        model = {key.removeprefix("model/"): value for key, value in tensors.items() if key.startswith("model/")}
+        buffer = cls(config, model, int(meta["version"]))
+        buffer.folded = [FoldRecord(**record) for record in meta["folded"]]
+        buffer.seen = {str(key): int(version) for key, version in meta["seen"].items()}
+        if isinstance(buffer.rule, WeightedMean):
+            if buffer.folded:
+                sums = {name: tensors[f"sum/{name}"] for name in model}
+                buffer.rule = WeightedMean.from_sums(sums, meta["rule"]["total_weight"], meta["rule"]["count"],
+                                                     dict.fromkeys(model, np.float64))
+        else:
+            for i, record in enumerate(buffer.folded):
+                buffer.rule.add({name: tensors[f"delta/{i}/{name}"] for name in model}, record.n_samples)
+        return buffer
