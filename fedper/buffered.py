@@ -168,7 +168,8 @@ class Buffer:
     def fold(self, delta: Mapping[str, np.ndarray], n_samples: float, version: int,
              update_id: str) -> tuple[FoldRecord, Release | None]:
         """Fold one delta, all or nothing (Refused or ValueError leave the buffer as it was); its record, and
-        the release when it was the K-th."""
+        the release when it was the K-th. `update_id` names this upload, not the device or the version: a
+        fast device may train twice on one version (the emulator uses "device#k", its k-th training)."""
         staleness = self.staleness(version)
         if update_id in self.seen:
             raise Refused("duplicate", f"update {update_id!r} was folded already")
