@@ -73,7 +73,8 @@ def make_async_figure(*, out: str | Path, scale: float, data: str | Path | None,
             for future in [pool.submit(run_clocked, c, d, resume=r, show_progress=False) for c, d, r in pending]:
                 future.result()
     png = out / "async.png"
-    _draw([(label, _history(run_dir)) for (_, _, label), run_dir in zip(CURVES, run_dirs, strict=True)], png, chosen,
+    source = Path(data).name if data and chosen in ("npz", "imagefolder") else chosen
+    _draw([(label, _history(run_dir)) for (_, _, label), run_dir in zip(CURVES, run_dirs, strict=True)], png, source,
           replace(clock, mode="async"))
     return png
 

@@ -65,7 +65,7 @@ class ClockConfig:
     deadline_s: float | None = None  # sync: close a round this long after it opened, once it has one update
     concurrency: int | None = None  # async: devices training at once (None: every device)
     buffer_size: int = 5  # async: K
-    max_staleness: int = 10
+    max_staleness: int = 20
     staleness: str = "polynomial"  # fedper.buffered.Staleness: w(s) = (1 + s)^-a by default, a = 1/2
     staleness_a: float = 0.5
     staleness_b: int = 0

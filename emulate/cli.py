@@ -201,7 +201,7 @@ def figure(
                                                              "device)"),
     buffer_size: int | None = typer.Option(None, min=1, help="async: K, deltas per released version (default 5)"),
     max_staleness: int | None = typer.Option(None, min=0, help="async: refuse deltas more versions old than this "
-                                                               "(default 10)"),
+                                                               "(default 20)"),
     over_select: float | None = typer.Option(None, min=1.0, help="async, synchronous curves: invite ceil(F * M) "
                                                                  "devices a round, close at M (default 1)"),
     deadline: float | None = typer.Option(None, min=0.0, help="async, synchronous curves: close a round after this "

@@ -146,8 +146,8 @@ def load_trace(path: str | Path | None) -> dict[str, Any]:
     if path is None:
         return json.loads(resources.files("fedper.emulate.traces").joinpath(SHIPPED).read_text())
     try:
-        return json.loads(Path(path).read_text())
-    except json.JSONDecodeError as e:
+        return json.loads(Path(path).read_bytes())
+    except ValueError as e:  # not JSON, or not text at all
         raise ValueError(f"{path} is not a JSON trace ({e}); convert a FedScale pickle first "
                          f"(docs/reproducing.md)") from None
 

@@ -210,7 +210,7 @@ class Buffer:
         else:
             for i, delta in enumerate(self.rule.updates()):
                 tensors |= {f"delta/{i}/{name}": value for name, value in delta.items()}
-        meta = {"format": FORMAT, "config": self.config.to_json(), "version": self.version,
+        meta = {"format": FORMAT, "config": self.config.to_json(), "version": self.version, "names": list(self.model),
                 "folded": [asdict(record) for record in self.folded], "seen": dict(self.seen), "rule": rule}
         return tensors, meta
 
@@ -222,7 +222,7 @@ class Buffer:
         if BufferConfig.from_json(meta["config"]) != config:
             raise ValueError(f"the buffer was written with {meta['config']}, not {config.to_json()}: resume it "
                              f"with the same settings")
-        model = {key.removeprefix("model/"): value for key, value in tensors.items() if key.startswith("model/")}
+        model = {name: tensors[f"model/{name}"] for name in meta["names"]}  # in the order the buffer had them
         buffer = cls(config, model, int(meta["version"]))
         buffer.folded = [FoldRecord(**record) for record in meta["folded"]]
         buffer.seen = {str(key): int(version) for key, version in meta["seen"].items()}

@@ -153,7 +153,7 @@ def test_a_resumed_buffer_continues_bit_for_bit(tmp_path, aggregator: str) -> No
     tensors, meta = original.checkpoint()
     checkpoint.write_checkpoint(tmp_path / "buffer.safetensors", tensors, meta)
     resumed = Buffer.resume(config, *checkpoint.read_checkpoint(tmp_path / "buffer.safetensors"))
-    assert _state(resumed) == _state(original)
+    assert _state(resumed) == _state(original) and list(resumed.model) == list(original.model) == ["conv", "fc"]
     with pytest.raises(Refused, match="folded already"):
         resumed.fold(deltas[0][0], 1, version=resumed.version, update_id="u4")
     releases = []
