@@ -83,9 +83,10 @@ class ClockConfig:
         invitations(self.clients_per_round or 1, self.over_select)  # checks M >= 1 and F >= 1
         self.buffer_config(None)  # checks K, the staleness bound and function, the server lr
 
-    def buffer_config(self, clip_norm: float | None) -> BufferConfig:
+    def buffer_config(self, clip_norm: float | None, statistics: tuple[str, ...] = ()) -> BufferConfig:
         return BufferConfig(self.buffer_size, self.max_staleness, self.server_lr,
-                            Staleness(self.staleness, self.staleness_a, self.staleness_b), "mean", clip_norm)
+                            Staleness(self.staleness, self.staleness_a, self.staleness_b), "mean", clip_norm,
+                            statistics)
 
 
 @dataclass(frozen=True)
@@ -154,13 +155,15 @@ class ClockedFleet:
         if not any(job <= d.longest_online() for job, d in zip(self.job_s, self.devices, strict=True)):
             raise ValueError("no device of the trace stays online long enough to train once")
         self.concurrency = min(self.clock.concurrency or n_clients, n_clients)
+        statistics = tuple(t.name for t in self.fleet.manifest.shared_tensors if not t.trainable)  # BatchNorm's
+        self.buffer_config = self.clock.buffer_config(config.fleet.clip_norm, statistics)
 
     def init(self) -> ClockState:
         start = self.fleet.init()
         model = _numpy(start.shared)
         state = ClockState(0.0, 0, model, start.local, [0] * len(self.devices))
         if self.clock.mode == "async":
-            state.buffer = Buffer(self.clock.buffer_config(self.config.fleet.clip_norm), model)
+            state.buffer = Buffer(self.buffer_config, model)
         return state
 
     def release(self, state: ClockState) -> dict:
@@ -308,7 +311,7 @@ def save_state(state: ClockState, path: Path) -> None:
     checkpoint.write_checkpoint(path, tensors, meta)
 
 
-def load_state(path: Path, config: ClockRunConfig, device: torch.device) -> ClockState:
+def load_state(path: Path, buffer_config: BufferConfig, device: torch.device) -> ClockState:
     arrays, meta = checkpoint.read_checkpoint(path)
 
     def part(prefix: str, names: list[str]) -> Arrays:
@@ -323,8 +326,7 @@ def load_state(path: Path, config: ClockRunConfig, device: torch.device) -> Cloc
     state.versions = {int(v): part(f"version/{v}/", names) for v in meta["versions"]}
     if meta["buffer"] is not None:
         buffer_arrays = {k.removeprefix("buffer/"): a for k, a in arrays.items() if k.startswith("buffer/")}
-        clip_norm = config.fleet.clip_norm
-        state.buffer = Buffer.resume(config.clock.buffer_config(clip_norm), buffer_arrays, meta["buffer"])
+        state.buffer = Buffer.resume(buffer_config, buffer_arrays, meta["buffer"])
     return state
 
 
@@ -346,7 +348,7 @@ def run_clocked(config: ClockRunConfig, out: str | Path, *, resume: bool = False
         raise RunError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
     device = resolve_device(config.device)
     clocked = ClockedFleet(config, load_fleet_data(config.data, device))
-    state = load_state(out / STATE, config, device) if resume else clocked.init()
+    state = load_state(out / STATE, clocked.buffer_config, device) if resume else clocked.init()
     if resume and (out / METRICS).exists():
         lines = (json.loads(line) for line in (out / METRICS).read_text().splitlines() if line.strip())
         history = [m for m in lines if m["version"] <= state.version]

@@ -4,6 +4,7 @@ model + server_lr * Σ n_j w(s_j) Δ_j / Σ n_j, on numbers chosen so that float
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -81,6 +82,27 @@ def test_fresh_deltas_at_server_lr_one_give_the_synchronous_mean() -> None:
         np.testing.assert_allclose(value, synchronous[name], rtol=1e-6, atol=1e-6)
 
 
+def test_statistics_are_averaged_by_value_not_stepped() -> None:
+    """A running variance "rv" at 4 in version 0. Two fresh deltas (-3.75 each: values 0.25) release version 1
+    with rv 0.25 and w 0 + (1 + 3) / 2 = 2. Then B (trained on version 0, s = 1, w(1) = 1/2 with a = 1, n = 1,
+    rv value 4 - 3.5 = 0.5, w delta 2) and C (version 1, s = 0, n = 3, rv value 0.25 + 0.5 = 0.75, w delta -1):
+    w = 2 + (1 * 1/2 * 2 + 3 * -1) / (1 + 3) = 1.5; rv = (1/2 * 1 * 0.5 + 1 * 3 * 0.75) / (1/2 + 3) = 5/7.
+    Stepped like w, rv would be 0.25 + (1 * 1/2 * -3.5 + 3 * 0.5) / 4 = 0.1875; with B alone, 0.25 - 1.75 < 0."""
+    config = BufferConfig(buffer_size=2, max_staleness=2, staleness=Staleness("polynomial", a=1.0),
+                          statistics=("rv",))
+    buffer = Buffer(config, {"w": np.zeros(1, np.float32), "rv": np.full(1, 4.0, np.float32)})
+    buffer.fold({"w": np.array([1.0]), "rv": np.array([-3.75])}, 1, version=0, update_id="a1")
+    _, release = buffer.fold({"w": np.array([3.0]), "rv": np.array([-3.75])}, 1, version=0, update_id="a2")
+    assert release is not None and (release.model["w"].tolist(), release.model["rv"].tolist()) == ([2.0], [0.25])
+    buffer.fold({"w": np.array([2.0]), "rv": np.array([-3.5])}, 1, version=0, update_id="b")
+    _, release = buffer.fold({"w": np.array([-1.0]), "rv": np.array([0.5])}, 3, version=1, update_id="c")
+    assert release is not None and release.model["w"].tolist() == [1.5]
+    np.testing.assert_allclose(release.model["rv"], [5 / 7], rtol=1e-7)
+    late = Buffer(config, {"w": np.zeros(1), "rv": np.ones(1)}, version=2)  # started at 2: no statistics of 1
+    with pytest.raises(Refused, match="no statistics of version 1"):
+        late.fold({"w": np.ones(1), "rv": np.ones(1)}, 1, version=1, update_id="x")
+
+
 def _state(buffer: Buffer) -> tuple[dict[str, list], dict]:
     tensors, meta = buffer.checkpoint()
     return {k: v.tolist() for k, v in tensors.items()}, meta
@@ -143,8 +165,10 @@ def test_a_resumed_buffer_continues_bit_for_bit(tmp_path, aggregator: str) -> No
     """Checkpoint (safetensors + JSON, through fedper.checkpoint) with 2 of K = 3 deltas folded, resume,
     fold the same deltas into both: the releases are the same bits, and an id folded before stays refused."""
     rng = np.random.default_rng(5)
-    model = {"conv": rng.standard_normal((3, 2, 2)).astype(np.float32), "fc": rng.standard_normal(5).astype(np.float32)}
-    config = BufferConfig(buffer_size=3, max_staleness=4, server_lr=0.7, aggregator=aggregator)
+    model = {"conv": rng.standard_normal((3, 2, 2)).astype(np.float32), "fc": rng.standard_normal(5).astype(np.float32),
+             "bn.running_var": rng.random(2).astype(np.float32)}
+    config = BufferConfig(buffer_size=3, max_staleness=4, server_lr=0.7, aggregator=aggregator,
+                          statistics=("bn.running_var",))
     deltas = [({n: rng.standard_normal(v.shape) * 0.1 for n, v in model.items()}, int(rng.integers(1, 500)))
               for _ in range(8)]
     original = Buffer(config, model)
@@ -153,7 +177,8 @@ def test_a_resumed_buffer_continues_bit_for_bit(tmp_path, aggregator: str) -> No
     tensors, meta = original.checkpoint()
     checkpoint.write_checkpoint(tmp_path / "buffer.safetensors", tensors, meta)
     resumed = Buffer.resume(config, *checkpoint.read_checkpoint(tmp_path / "buffer.safetensors"))
-    assert _state(resumed) == _state(original) and list(resumed.model) == list(original.model) == ["conv", "fc"]
+    assert _state(resumed) == _state(original)
+    assert list(resumed.model) == list(original.model) == ["conv", "fc", "bn.running_var"]
     with pytest.raises(Refused, match="folded already"):
         resumed.fold(deltas[0][0], 1, version=resumed.version, update_id="u4")
     releases = []
@@ -165,7 +190,7 @@ def test_a_resumed_buffer_continues_bit_for_bit(tmp_path, aggregator: str) -> No
     for name in model:
         assert releases[0][0].model[name].tobytes() == releases[1][0].model[name].tobytes()
     with pytest.raises(ValueError, match="same settings"):
-        Buffer.resume(BufferConfig(buffer_size=4, max_staleness=4, aggregator=aggregator), tensors, meta)
+        Buffer.resume(replace(config, buffer_size=4), tensors, meta)
 
 
 @pytest.mark.parametrize("bad", [
