@@ -19,11 +19,12 @@ async  FedBuff (fedper.buffered.Buffer, the coordinator's rule): `concurrency` d
        ranking; a device that drops out frees its slot when it goes. A new version every K folded deltas.
 
 A run stops at the first release once `uploads` updates were uploaded (refused stale ones count: they were
-sent). Its directory holds config.json, metrics.jsonl (one line per release: simulated time, uploads so far,
-each device's accuracy), state.safetensors (rewritten after every release) and summary.json, as a
-`fedper-emulate run` directory does; a killed run resumes from its last release and ends bit for bit where an
-uninterrupted one would (no randomness but the seeded selection and the batch keys: a device's batches in
-its k-th training are the agent's of round k, or the round's in sync mode, as in fleet.Fleet).
+sent). Its directory holds config.json, metrics.jsonl (one line per version, the initial model's first:
+simulated time, uploads so far, each device's accuracy), state.safetensors (rewritten after every release)
+and summary.json, as a `fedper-emulate run` directory does; a killed run resumes from its last release and
+ends bit for bit where an uninterrupted one would (no randomness but the seeded selection and the batch keys:
+a device's batches in its k-th training are the agent's of round k, or the round's in sync mode, as in
+fleet.Fleet).
 """
 
 from __future__ import annotations
@@ -170,12 +171,17 @@ class ClockedFleet:
         """Run the clock to the next release and evaluate every device on it; `state` moves in place."""
         started = time.perf_counter()
         participants, staleness = self._round(state) if self.clock.mode == "sync" else self._until_release(state)
-        shared = self._torch(state.model)
-        view = FleetState(state.version, shared, state.local, self.config.fleet.seed)
+        return self.evaluate(state, participants, staleness, started)
+
+    def evaluate(self, state: ClockState, participants: list[int] | None = None, staleness: list[int] | None = None,
+                 started: float | None = None) -> dict:
+        """The metrics of the current version: every device with its base and its own head, on its own test split."""
+        started = time.perf_counter() if started is None else started
+        view = FleetState(state.version, self._torch(state.model), state.local, self.config.fleet.seed)
         results = [self.fleet._evaluate(view, j, False)[0] for j in range(len(self.devices))]
         accuracy = [a for a, _ in results]
         return {"version": state.version, "time_s": state.time, "uploads": state.uploads, "refused": state.refused,
-                "dropped": state.dropped, "participants": participants, "staleness": staleness,
+                "dropped": state.dropped, "participants": participants or [], "staleness": staleness or [],
                 "accuracy": accuracy, "loss": [loss for _, loss in results],
                 "mean_accuracy": statistics.fmean(accuracy), "std_accuracy": statistics.pstdev(accuracy),
                 "mean_loss": statistics.fmean(loss for _, loss in results), "wall_s": time.perf_counter() - started}
@@ -352,6 +358,8 @@ def run_clocked(config: ClockRunConfig, out: str | Path, *, resume: bool = False
     if resume and (out / METRICS).exists():
         lines = (json.loads(line) for line in (out / METRICS).read_text().splitlines() if line.strip())
         history = [m for m in lines if m["version"] <= state.version]
+    elif not resume:
+        history = [clocked.evaluate(state)]  # version 0: the initial model, at time 0 and no upload
     out.mkdir(parents=True, exist_ok=True)
     checkpoint.atomic_write(out / CONFIG, config.to_json().encode())
     with (out / METRICS).open("w") as f:
@@ -372,7 +380,7 @@ def run_clocked(config: ClockRunConfig, out: str | Path, *, resume: bool = False
             progress.update(task, completed=min(state.uploads, config.clock.uploads), acc=metrics["mean_accuracy"])
     last = history[-1] if history else {}
     summary = {"mode": config.clock.mode, "algorithm": config.fleet.algorithm, "kp": config.fleet.kp,
-               "clients": len(clocked.devices), "releases": len(history), "uploads": state.uploads,
+               "clients": len(clocked.devices), "releases": state.version, "uploads": state.uploads,
                "refused": state.refused, "dropped": state.dropped, "time_s": state.time,
                "final_mean_accuracy": last.get("mean_accuracy"),
                "best_mean_accuracy": max((m["mean_accuracy"] for m in history), default=None),
