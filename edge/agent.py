@@ -32,9 +32,9 @@ from fedper.edge.engine import (
     EngineSettings,
     EvaluateFinal,
     FinalEvaluated,
-    Input,
     Job,
     Message,
+    Result,
     RoundTrained,
     Saved,
     TrainRound,
@@ -189,7 +189,7 @@ class Agent:
 
     # ------------------------------------------------------------ the engine's jobs
 
-    def run(self, job: Job) -> Input:
+    def run(self, job: Job) -> Result:
         """Do what the engine asked (blocking: the service calls this in a thread); the event to feed it back."""
         if isinstance(job, CheckConditions):
             return ConditionsChecked(job, self.conditions.problem())

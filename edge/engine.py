@@ -147,8 +147,9 @@ class FinalEvaluated:
 
 
 Job = CheckConditions | TrainRound | EvaluateFinal
+Result = ConditionsChecked | RoundTrained | FinalEvaluated
 Action = Outgoing | Job
-Input = Connected | Message | Tick | ConditionsChecked | RoundTrained | FinalEvaluated
+Input = Connected | Message | Tick | Result
 
 
 # ------------------------------------------------------------ the machine
@@ -203,6 +204,7 @@ class Step(Enum):
 P, E, S = Phase, Event, Step
 WAITING = (P.IDLE, P.DOWNLOADING, P.RESENDING, P.ANSWERED, P.FINAL_DOWNLOAD)  # waiting on a message
 BUSY = (P.CHECKING, P.TRAINING, P.EVALUATING)  # a job is out: what changes meanwhile is decided when it returns
+FETCHING = (P.DOWNLOADING, P.RESENDING, P.FINAL_DOWNLOAD)  # the subscriptions ask for the round's model
 FOLLOW = {  # a phase waiting on a message follows what the open round asks
     E.NOT_ASKED: (P.IDLE, ()),
     E.INELIGIBLE: (P.IDLE, ()),
@@ -221,7 +223,7 @@ TRANSITIONS: dict[tuple[Phase, Event], tuple[Phase, tuple[Step, ...]]] = {
     (P.IDLE, E.INVITED): (P.IDLE, (S.DECIDE,)),
     (P.DOWNLOADING, E.UNINVITED): (P.IDLE, ()),
     (P.RESENDING, E.UNINVITED): (P.IDLE, ()),
-    **{(phase, E.BLOB): (phase, (S.FETCH,)) for phase in (P.DOWNLOADING, P.RESENDING, P.FINAL_DOWNLOAD)},
+    **{(phase, E.BLOB): (phase, (S.FETCH,)) for phase in FETCHING},
     (P.DOWNLOADING, E.MODEL): (P.TRAINING, (S.TRAIN,)),
     (P.RESENDING, E.MODEL): (P.ANSWERED, (S.SEND_AGAIN,)),
     (P.FINAL_DOWNLOAD, E.MODEL): (P.EVALUATING, (S.EVALUATE,)),
@@ -232,7 +234,6 @@ TRANSITIONS: dict[tuple[Phase, Event], tuple[Phase, tuple[Step, ...]]] = {
     (P.TRAINING, E.TRAINED_LATE): (P.ANSWERED, (S.SEND, S.DECIDE)),
     (P.EVALUATING, E.EVALUATED): (P.DONE, ()),
 }
-FETCHING = (P.DOWNLOADING, P.RESENDING, P.FINAL_DOWNLOAD)
 
 
 @dataclass(frozen=True)
