@@ -66,8 +66,9 @@ def run(
     """Train rounds until the coordinator announces the final model; resumes from --state-dir."""
     from fedper.compression import check_codec
     from fedper.data import DataError
+    from fedper.edge.agent import Agent, AgentConfig
     from fedper.edge.backend import BACKENDS
-    from fedper.edge.engine import Agent, AgentConfig, AgentError
+    from fedper.edge.engine import AgentError
     from fedper.edge.service import run_agent
     from fedper.edge.state import StateError
     from fedper.manifest import ManifestError

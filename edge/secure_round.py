@@ -2,10 +2,11 @@
 
 The kernel (fedper.secagg) does the cryptography; this module turns the coordinator's relayed stage
 messages into the device's answers. The clear update never leaves this object: the device computes its
-delta from the round's model, clips it to L2 norm C (the session's quantization range, so no coordinate
-is clipped again), weights it by n_j / weight_scale, and sends it only quantized and masked. Under
+delta from the round's model, clips it to an L2 norm within the session's quantization range [-C, C] (so
+quantizing clips none of it), weights it by n_j / weight_scale, and sends it only quantized and masked. Under
 distributed DP the setup says so: the trainable tensors only, weight 1, and Gaussian noise of the setup's
-std added on the device before quantizing (numpy's generator from fresh OS entropy).
+std added on the device before quantizing (numpy's generator from fresh OS entropy), which quantizing does
+clip where it leaves [-C, C] (the coordinator widens C by 6 noise stds for it).
 
 The device's identity (--identity: its Ed25519 key, the fleet root's certificate of it and the root's public
 key, from deploy/provision-identity.sh) signs its advertised keys and the survivor set of the consistency check.

@@ -31,7 +31,7 @@ from helpers.recording import Recorder
 from safetensors.numpy import load_file
 
 from fedper.artifacts import BASE_FILE
-from fedper.edge.engine import Agent, AgentConfig
+from fedper.edge.agent import Agent, AgentConfig
 from fedper.edge.service import run_agent
 from fedper.manifest import Manifest
 from fedper.payload import decode_shared
