@@ -7,11 +7,12 @@ device's SecureParticipant (fedper.edge.secure_round); every message crosses as 
 (JSON stage messages, chunk frames of the update or the masked input). The model is one shared tensor of
 LENGTH values. Per device: bytes up and down (the round's model and RoundInfo, the same in both modes,
 are not counted), and the seconds of its own work (plain: encoding and chunking its update; secure: its
-stages, clipping, quantization and masking included; not the training). The coordinator: the seconds of
-its handle() and tick() calls from the first device message to the round's close. 10 % of the devices
-drop after sharing their keys and before their masked input, the costly case (their pairwise masks are
-rebuilt); in the plain protocol they simply send nothing. Neighbour degree and threshold: fedper.secagg's
-defaults.
+stages, clipping, quantization, masking and signing included; not the training). The coordinator: the
+seconds of its handle() and tick() calls from the first device message to the round's close (verifying every
+advert and signature included). 10 % of the devices drop after sharing their keys and before their share
+report, the costly case (their pairwise masks are rebuilt); in the plain protocol they simply send nothing.
+Neighbour degree and threshold: fedper.secagg's defaults. The consistency check's bytes (the survivor set
+and the signatures of more than half of the session, to each device) are in the down column.
 
     python benchmarks/secagg.py [--quick] [--out runs/bench]
 """
@@ -26,12 +27,14 @@ from typing import Any
 
 import numpy as np
 from common import main, table, write_json
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fedper.coordinator.engine import Config, Coordinator
 from fedper.coordinator.store import Store
 from fedper.edge.secure_round import SecureParticipant
 from fedper.manifest import Manifest, ModelInfo, TensorSpec
 from fedper.payload import encode_shared
+from fedper.secagg import ROOT_FILE, Identity
 from fedper.wire import (
     SECAGG_CODEC,
     SECAGG_DOWN,
@@ -93,10 +96,17 @@ def fleet(devices: int, length: int, seed: int) -> tuple[Manifest, dict[str, np.
     return manifest, model, updates, dropped
 
 
+def identities(directory: Path, names: list[str]) -> dict[str, Path]:
+    """Each device's identity directory, certified by one fresh fleet root (its public key beside them)."""
+    root = Ed25519PrivateKey.generate()
+    return {name: Identity.issue(root, TOPICS.fleet, name).save(directory / name) for name in names}
+
+
 def start(manifest: Manifest, model: dict[str, np.ndarray], state: Path, names: list[str], secure: bool,
-          traffic: Traffic) -> tuple[Coordinator, list[Outgoing]]:
+          traffic: Traffic, root: Path | None = None) -> tuple[Coordinator, list[Outgoing]]:
     config = Config.of(rounds=1, min_clients=2, round_timeout=3600.0, secure_aggregation=secure,
-                    clip_norm=CLIP if secure else None, max_messages_per_second=1e9)
+                       clip_norm=CLIP if secure else None, max_messages_per_second=1e9,
+                       secagg_identity_root=str(root) if root else None)
     coordinator = Coordinator(manifest, model, TOPICS, config, Store(state))
     announced = coordinator.start(time.time())
     for j, name in enumerate(names):
@@ -131,14 +141,18 @@ def secure_round(devices: int, length: int, seed: int) -> tuple[Traffic, dict[st
     names = sorted(updates)
     traffic = Traffic(names)
     with tempfile.TemporaryDirectory() as state:
-        coordinator, announced = start(manifest, model, Path(state), names, True, traffic)
+        ids = identities(Path(state) / "identities", names)
+        coordinator, announced = start(manifest, model, Path(state) / "coordinator", names, True, traffic,
+                                       ids[names[0]] / ROOT_FILE)
         info = RoundInfo.decode(next(m.payload for m in announced if m.topic == TOPICS.round))
         session_id = int(info.secagg_session or 0)
         participants = {}
         for j, name in enumerate(names):
             meta = UpdateMeta(round=1, n_samples=100 + j, base_digest=manifest.base_digest, codec=SECAGG_CODEC)
+            (Path(state) / name).mkdir()
             participants[name] = SecureParticipant(TOPICS, name, 1, session_id, manifest, updates[name], model,
-                                                   100 + j, meta, 63 * 1024)
+                                                   100 + j, meta, 63 * 1024, ids[name], Path(state) / name,
+                                                   info.sha256)
         queue = [m for name in names for m in traffic.on_device(name, lambda n=name: [participants[n].advertise()])]
         clock = time.time()
         while not coordinator.finished:
@@ -150,7 +164,7 @@ def secure_round(devices: int, length: int, seed: int) -> tuple[Traffic, dict[st
                     decoded = decode_secagg(message.payload, SECAGG_DOWN)
                     replies = traffic.on_device(name, lambda n=name, d=decoded: participants[n].handle(d))
                     if name in dropped and decoded.stage == "shares":
-                        continue  # gone after sharing its keys, before its masked input
+                        continue  # gone after sharing its keys, before its share report
                     queue += replies
                 elif kind in ("secagg", "update"):
                     queue += traffic.on_coordinator(

@@ -126,12 +126,24 @@ class SecureAggregation(Group):
     degree: int | None = option(
         None, "Neighbours k (even) per device in secure aggregation (default 2*ceil(1.5*log2 n)): raise it for heavy "
               "dropout (docs/privacy.md, 'Choosing k and t').", flag="--secagg-degree", min=2)
+    identity_root: str | None = option(
+        None, "The fleet's identity root public key (PEM, from deploy/provision-identity.sh), required with "
+              "--secure-aggregation: every device's advertised keys must be signed by an identity it certifies.",
+        flag="--secagg-identity-root")
+    min_group: int = option(
+        4, "Smallest group of devices whose sum the coordinator sees when it narrows down a device whose input "
+           "spoils the sum (docs/privacy.md, 'A device that lies').", flag="--secagg-min-group", min=2)
 
     def __post_init__(self) -> None:
         if self.degree is not None and (not 2 <= self.degree <= MAX_SECAGG_NEIGHBOURS or self.degree % 2):
             raise ValueError(f"--secagg-degree must be an even number in 2..{MAX_SECAGG_NEIGHBOURS}")
         if not self.stage_timeout > 0:
             raise ValueError("--secagg-stage-timeout must be > 0")
+        if self.min_group < 2:
+            raise ValueError("--secagg-min-group must be >= 2")
+        if self.enabled and self.identity_root is None:
+            raise ValueError("--secure-aggregation needs --secagg-identity-root: the fleet root's public key that "
+                             "certifies the devices' identities (deploy/provision-identity.sh)")
 
 
 @dataclass(frozen=True)

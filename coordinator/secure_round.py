@@ -1,10 +1,12 @@
 """Secure aggregation at the coordinator (`--secure-aggregation`): one SecAgg+ session over MQTT.
 
-The kernel (fedper.secagg) does the cryptography; this module runs its server's four stages on messages
-that arrive one at a time from untrusted devices, each stage with a deadline, checking every message on
-its own so that a bad one is refused (`secagg`) without costing another device its place. The strategy
-that drives it is coordinator/strategies/secure.py. Stages, weights and distributed DP: docs/privacy.md
-("Secure aggregation"); messages: docs/protocol.md, 6.9.
+The kernel (fedper.secagg) does the cryptography; this module runs its server's stages on messages that
+arrive one at a time from untrusted devices, each stage with a deadline, checking every message on its own
+so that a bad one is refused (`secagg`) without costing another device its place. A device whose shares do
+not authenticate is reported by its neighbours and left out of the session; the session's groups (one, or
+several while the strategy narrows down a device whose input spoils the sum: `plan_groups`) are checked and
+released apart. The strategy that drives it is coordinator/strategies/secure.py. Stages, weights and
+distributed DP: docs/privacy.md ("Secure aggregation"); messages: docs/protocol.md, 6.9.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from __future__ import annotations
 import logging
 import math
 import secrets
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence, Set
+from dataclasses import dataclass, field, replace
 from enum import Enum
+from typing import Any
 
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from fedper.manifest import Manifest, SummedTensors
 from fedper.secagg import (
@@ -28,6 +32,8 @@ from fedper.secagg import (
     SecAggError,
     SecAggServer,
     SecAggWire,
+    ShareReport,
+    SurvivorSignature,
     UnmaskResponse,
     VectorSpec,
     usable_public_key,
@@ -37,7 +43,9 @@ from fedper.wire import (
     MAX_SECAGG_DEVICES,
     Outgoing,
     SecAggAdvertise,
+    SecAggReceived,
     SecAggShares,
+    SecAggSignature,
     SecAggUnmask,
     Topics,
     WireError,
@@ -52,11 +60,13 @@ def new_session() -> int:
 
 
 class Stage(str, Enum):
-    """Where a session is: its four stages in order, then done or failed. A str, as the state message shows it."""
+    """Where a session is: its stages in order, then done or failed. A str, as the state message shows it."""
 
     ADVERTISE = "advertise"
     SHARES = "shares"
+    RECEIVED = "received"
     MASKED = "masked"
+    CONSISTENCY = "consistency"
     UNMASK = "unmask"
     DONE = "done"
     FAILED = "failed"
@@ -68,6 +78,32 @@ class Stage(str, Enum):
 def flat_length(manifest: Manifest, tensors: SummedTensors = "shared") -> int:
     """Values of the vector a device masks."""
     return sum(int(np.prod(t.shape, dtype=np.int64)) for t in manifest.summed_tensors(tensors))
+
+
+def plan_groups(devices: Sequence[str], suspects: Set[str], min_group: int) -> list[list[str]]:
+    """The groups a session sums apart: everyone in one; with suspects among `devices` (the contributors of a
+    group whose sum failed last round), the suspects in two halves, each filled up to `min_group` with the
+    others, and the others left in a group of their own (spread over the halves when fewer than `min_group`).
+    Too few others to fill both halves: one group (the coordinator cannot narrow without a smaller group)."""
+    suspect = [d for d in devices if d in suspects]
+    others = [d for d in devices if d not in suspects]
+    if not suspect:
+        return [list(devices)]
+    middle = (len(suspect) + 1) // 2
+    halves = [suspect[:middle], suspect[middle:]] if len(suspect) > 1 else [suspect]
+    if sum(max(0, min_group - len(h)) for h in halves) > len(others):
+        return [list(devices)]
+    groups = []
+    for half in halves:
+        fill = max(0, min_group - len(half))
+        groups.append(half + others[:fill])
+        others = others[fill:]
+    if len(others) >= min_group:
+        groups.append(others)
+    else:
+        for i, device in enumerate(others):
+            groups[i % len(groups)].append(device)
+    return groups
 
 
 @dataclass
@@ -82,9 +118,12 @@ class SecureSettings:
 
     clip: float  # C: the L2 norm a device clips its delta to, and (without noise) the quantization range
     length: int  # values of the vector a device masks: flat_length(manifest, tensors)
-    stage_timeout: float  # seconds each of stages 2-4 waits
+    stage_timeout: float  # seconds each of stages 2-6 waits
+    fleet: str  # the fleet whose root certifies the devices' identities
+    root: Ed25519PublicKey = field(repr=False)  # the fleet root's public key (--secagg-identity-root)
     degree: int | None = None  # k; None: fedper.secagg's default (at most MAX_SECAGG_NEIGHBOURS, checked by Config)
     tensors: SummedTensors = "shared"  # which tensors the vector holds: "shared", or "trainable" under DP
+    min_group: int = 4  # the smallest group plan_groups makes
 
 
 @dataclass(frozen=True)
@@ -96,6 +135,17 @@ class DistributedNoise:
     expected_weight: float
 
 
+@dataclass(frozen=True)
+class GroupOutcome:
+    """One group of a finished session: its contributors, whether its sum is released, and if not why, and
+    whether that shows a lie (a sum beyond the clip norm, secrets that do not check out) rather than dropouts."""
+
+    devices: tuple[str, ...]
+    released: bool
+    why: str = ""
+    suspect: bool = False
+
+
 @dataclass
 class SecureRound:
     """One session of one round; `stage` says where it is."""
@@ -105,20 +155,23 @@ class SecureRound:
     settings: SecureSettings
     noise: DistributedNoise | None = None  # given to close_adverts; None: clear sums weighted by n_j
     stage: Stage = Stage.ADVERTISE
-    deadline: float = 0.0  # of stages 2-4 (stage 1 closes at the round's deadline, decided by the engine)
-    adverts: dict[str, tuple[bytes, bytes]] = field(default_factory=dict)  # device -> (c, s) public keys
-    roster: tuple[str, ...] = ()  # index -> device, fixed when stage 1 closes
+    deadline: float = 0.0  # of stages 2-6 (stage 1 closes at the round's deadline, decided by the engine)
+    adverts: dict[str, KeyAdvert] = field(default_factory=dict)  # device -> its verified advert (index -1)
+    roster: tuple[str, ...] = ()  # index -> device, fixed when stage 1 closes (grouped: plan_groups' order)
     weight_scale: int = 1
     weights: dict[str, int] = field(default_factory=dict)  # device -> registered n_j, fixed with the roster
     server: SecAggServer | None = None
     _bundles: dict[int, EncryptedShares] = field(default_factory=dict)
+    _reports: dict[int, ShareReport] = field(default_factory=dict)
     _expected: set[int] = field(default_factory=set)  # indices that may still answer the open stage
     _masked: dict[int, MaskedInput] = field(default_factory=dict)
+    _signatures: dict[int, SurvivorSignature] = field(default_factory=dict)
     _contributions: dict[str, _Contribution] = field(default_factory=dict)
     _responses: dict[int, UnmaskResponse] = field(default_factory=dict)
     result: AggregateResult | None = None
     failure: str = ""
-    refused_sum: str = ""  # why the sum was not released (the check on the sum); "": released
+    reported: tuple[str, ...] = ()  # devices left out of the session by their neighbours' reports
+    _outcomes: list[GroupOutcome] | None = None
 
     @property
     def clip(self) -> float:
@@ -138,17 +191,33 @@ class SecureRound:
 
     # ------------------------------------------------------------ messages from devices
 
-    def on_message(self, device: str, message: SecAggAdvertise | SecAggShares | SecAggUnmask) -> None:
+    def on_message(self, device: str,
+                   message: SecAggAdvertise | SecAggShares | SecAggReceived | SecAggSignature | SecAggUnmask) -> None:
         """One decoded stage message from `device`; WireError("secagg" or "bad_message") refuses it."""
         if (message.round, message.session) != (self.round, self.session):
             raise WireError("secagg", f"message for round {message.round} session {message.session}, the open one "
                             f"is round {self.round} session {self.session}")
+        wire, server = self.wire, self.server  # the server exists from stage 2 on, which _index checks first
         if isinstance(message, SecAggAdvertise):
             self._on_advert(device, message)
         elif isinstance(message, SecAggShares):
-            self._on_shares(device, message)
+            index = self._index(device, Stage.SHARES)
+            self._take(self._bundles, index, server.check_shares, wire.bundle(message, index, upward=True))
+        elif isinstance(message, SecAggReceived):
+            index = self._index(device, Stage.RECEIVED)
+            self._take(self._reports, index, server.check_report, wire.report(message, index))
+        elif isinstance(message, SecAggSignature):
+            index = self._index(device, Stage.CONSISTENCY)
+            self._take(self._signatures, index, server.check_signature, wire.survivor_signature(message, index))
         else:
-            self._on_unmask(device, message)
+            index = self._index(device, Stage.UNMASK)
+            self._take(self._responses, index, server.check_response, wire.response(message, index))
+
+    def _take(self, store: dict[int, Any], index: int, check: Callable[[Any], None], message: object) -> None:
+        """A stage message the kernel's check accepts is kept; one it refuses is answered `secagg`."""
+        self._refused_by_kernel(check, message)
+        store[index] = message
+        self._expected.discard(index)
 
     @property
     def wire(self) -> SecAggWire:
@@ -167,20 +236,17 @@ class SecureRound:
     def _on_advert(self, device: str, message: SecAggAdvertise) -> None:
         if self.stage != Stage.ADVERTISE:
             raise WireError("secagg", f"session {self.session} closed its advertisements: wait for the next session")
-        keys = self.wire.keys(message)
-        if keys[0] == keys[1] or any(k in other for d, other in self.adverts.items() if d != device for k in keys):
+        advert = self.wire.advert(message)
+        problem = advert.problem(device, self.settings.fleet, self.settings.root)
+        if problem:
+            raise WireError("secagg", problem)
+        keys = (advert.c_public, advert.s_public)
+        if keys[0] == keys[1] or any(k in (a.c_public, a.s_public) for d, a in self.adverts.items() if d != device
+                                     for k in keys):
             raise WireError("secagg", "public keys must be distinct, and not another device's")
         if not all(usable_public_key(k) for k in keys):
             raise WireError("secagg", "a public key is a low-order X25519 point: it agrees on no secret")
-        self.adverts[device] = keys  # a device that restarted in this stage replaces its keys
-
-    def _on_shares(self, device: str, message: SecAggShares) -> None:
-        index = self._index(device, Stage.SHARES)
-        bundle = self.wire.bundle(message, index, upward=True)
-        assert self.server is not None
-        self._refused_by_kernel(self.server.check_shares, bundle)
-        self._bundles[index] = bundle
-        self._expected.discard(index)
+        self.adverts[device] = advert  # a device that restarted in this stage replaces its keys
 
     def on_masked(self, device: str, blob: bytes, n_samples: int, metrics: dict[str, float]) -> None:
         """A reassembled update blob of codec `secagg` from `device` (its meta checked by the engine)."""
@@ -197,14 +263,6 @@ class SecureRound:
         self._contributions[device] = _Contribution(n_samples, metrics)
         self._expected.discard(index)
 
-    def _on_unmask(self, device: str, message: SecAggUnmask) -> None:
-        index = self._index(device, Stage.UNMASK)
-        response = self.wire.response(message, index)
-        assert self.server is not None
-        self._refused_by_kernel(self.server.check_response, response)
-        self._responses[index] = response
-        self._expected.discard(index)
-
     @staticmethod
     def _refused_by_kernel(check: object, message: object) -> None:
         try:
@@ -216,57 +274,78 @@ class SecureRound:
 
     @property
     def complete(self) -> bool:
-        """Every device expected in the open stage (2-4) answered: close it now."""
-        return self.stage in (Stage.SHARES, Stage.MASKED, Stage.UNMASK) and not self._expected
+        """Every device expected in the open stage (2-6) answered: close it now."""
+        return self.stage not in (Stage.ADVERTISE, Stage.DONE, Stage.FAILED) and not self._expected
 
     def close_adverts(self, registered: Mapping[str, int], now: float, topics: Topics,
-                      noise: DistributedNoise | None = None) -> list[Outgoing]:
-        """Stage 1 -> 2: the advertisers (still registered) become the roster; each gets its setup and its
-        advertising neighbours' keys (and, with `noise`, its share of the noise)."""
+                      noise: DistributedNoise | None = None, suspects: Set[str] = frozenset()) -> list[Outgoing]:
+        """Stage 1 -> 2: the advertisers (still registered) become the roster, in the groups plan_groups makes of
+        them with `suspects`; each gets its setup and its advertising neighbours' adverts (and, with `noise`, its
+        share of the noise)."""
         self.noise = noise
-        self.roster = tuple(sorted(d for d in self.adverts if d in registered))[:MAX_SECAGG_DEVICES]
-        if len(self.roster) < 2:
-            return self._fail(f"{len(self.roster)} device(s) advertised keys: a sum needs at least 2")
+        advertisers = sorted(d for d in self.adverts if d in registered)[:MAX_SECAGG_DEVICES]
+        if len(advertisers) < 2:
+            return self._fail(f"{len(advertisers)} device(s) advertised keys: a sum needs at least 2")
+        groups = plan_groups(advertisers, suspects, self.settings.min_group)
+        self.roster = tuple(d for group in groups for d in group)
         self.weights = {d: registered[d] for d in self.roster}
         self.weight_scale = max(self.weights.values())
-        config = SecAggConfig.create(round=self.session, devices=len(self.roster), length=self.settings.length,
+        config = SecAggConfig.create(round=self.session, roster=self.roster, length=self.settings.length,
                                      clip=self.clip + 6 * self.noise_std, degree=self.settings.degree,
-                                     graph_seed=secrets.randbits(32))
-        self.server = SecAggServer(config)
-        keys = self.server.neighbour_keys([KeyAdvert(self.session, i, *self.adverts[d])
-                                           for i, d in enumerate(self.roster)])
+                                     graph_seed=secrets.randbits(32), groups=[len(g) for g in groups])
+        self.server = SecAggServer(config, self.settings.fleet, self.settings.root)
+        keys = self.server.neighbour_keys([replace(self.adverts[d], device=i) for i, d in enumerate(self.roster)])
         spec = VectorSpec(self.weight_scale, self.clip, self.noise_std,
                           "samples" if self.noise is None else "uniform", self.settings.tensors)
         out = [Outgoing(topics.relay(self.roster[index]), self.wire.neighbours(config, neighbours, spec).encode())
                for index, neighbours in keys.items()]
-        log.info("round %d: secure aggregation session %d: %d device(s), k %d, t %d, %d-bit values", self.round,
-                 self.session, config.devices, config.degree, config.threshold, config.value_bits)
+        log.info("round %d: secure aggregation session %d: %d device(s) in %d group(s), k %d, t %d, %d-bit values",
+                 self.round, self.session, config.devices, len(groups), config.degree, config.threshold,
+                 config.value_bits)
         return self._next(Stage.SHARES, set(range(len(self.roster))), now, out)
 
     def close_open_stage(self, now: float, topics: Topics, minimum: int) -> list[Outgoing]:
-        """Close stage 2, 3 or 4 (all answered, or its deadline passed): relay, request, or aggregate."""
+        """Close stage 2 to 6 (all answered, or its deadline passed): relay the shares, ask for the masked inputs,
+        send the survivors to sign, send the signatures with the unmask requests, or aggregate. A session fails
+        (and the round opens another) only before any share is revealed: from the unmask stage on, it is done,
+        whatever each group's outcome (a device answers one unmask request a round)."""
         assert self.server is not None
+        server, relay = self.server, topics.relay
         try:
             if self.stage == Stage.SHARES:
                 if len(self._bundles) < minimum:
                     return self._fail(f"{len(self._bundles)} device(s) shared keys, fewer than {minimum}")
-                inbox = self.server.relay_shares(self._bundles.values())
-                out = [Outgoing(topics.relay(self.roster[u]), self.wire.shares(m, upward=False).encode())
+                inbox = server.relay_shares(self._bundles.values())
+                out = [Outgoing(relay(self.roster[u]), self.wire.shares(m, upward=False).encode())
                        for u, m in inbox.items()]
-                return self._next(Stage.MASKED, set(inbox), now, out)
+                return self._next(Stage.RECEIVED, set(inbox), now, out)
+            if self.stage == Stage.RECEIVED:
+                requests = server.mask_requests(self._reports.values())
+                self.reported = tuple(self.roster[u] for u in server.excluded)
+                if self.reported:
+                    log.warning("round %d: secure aggregation session %d: left out %s, whose shares did not "
+                                "authenticate at a neighbour", self.round, self.session, ", ".join(self.reported))
+                if len(requests) < minimum:
+                    return self._fail(f"{len(requests)} device(s) may send a masked input, fewer than {minimum}")
+                out = [Outgoing(relay(self.roster[u]), self.wire.mask(m).encode()) for u, m in requests.items()]
+                return self._next(Stage.MASKED, set(requests), now, out)
             if self.stage == Stage.MASKED:
                 if len(self._masked) < minimum:
                     return self._fail(f"{len(self._masked)} masked input(s), fewer than {minimum}")
-                requests = self.server.unmask_requests(self._masked.values())
+                lists = server.survivor_lists(self._masked.values())
                 self._masked.clear()  # summed by the server
-                out = [Outgoing(topics.relay(self.roster[u]), self.wire.unmask_request(r).encode())
-                       for u, r in requests.items()]
+                out = [Outgoing(relay(self.roster[u]), self.wire.survivors(m).encode()) for u, m in lists.items()]
+                return self._next(Stage.CONSISTENCY, set(lists), now, out)
+            if self.stage == Stage.CONSISTENCY:
+                requests = server.unmask_requests(self._signatures.values())
+                out = [Outgoing(relay(self.roster[u]), self.wire.unmask_request(m).encode())
+                       for u, m in requests.items()]
                 return self._next(Stage.UNMASK, set(requests), now, out)
-            self.result = self.server.aggregate(self._responses.values())
-            self.stage = Stage.DONE
-            return []
-        except (SecAggError, ValueError) as e:  # NotEnoughShares, a reconstruction that does not check out, a bad key
+        except SecAggError as e:  # too few inputs or signatures for the consistency check
             return self._fail(str(e))
+        self.result = server.aggregate(self._responses.values())
+        self.stage = Stage.DONE
+        return []
 
     def _next(self, stage: Stage, expected: set[int], now: float, out: list[Outgoing]) -> list[Outgoing]:
         self.stage, self._expected, self.deadline = stage, expected, now + self.settings.stage_timeout
@@ -279,47 +358,64 @@ class SecureRound:
 
     # ------------------------------------------------------------ the result
 
-    def contributions(self) -> dict[str, tuple[int, dict[str, float]]]:
-        """The devices in the sum: their registered n_j and the metrics their update carried."""
+    def outcomes(self) -> list[GroupOutcome]:
+        """Each group's outcome. The per-update norm check, moved to each group's sum: honest devices' deltas each
+        have an L2 norm of at most C, so their weighted mean has too (plus the quantization's error and, under DP,
+        the noise's norm). A mean beyond that means a device sent values beyond its clip norm (each value is only
+        bounded by the quantization range): that group's sum is not released."""
         assert self.result is not None
-        return {self.roster[u]: (c.n_samples, c.metrics) for u in self.result.survivors
-                for c in [self._contributions[self.roster[u]]]}
+        if self._outcomes is not None:
+            return self._outcomes
+        out = []
+        for group in self.result.groups:
+            devices = tuple(self.roster[u] for u in group.survivors)
+            if group.sum is None:
+                out.append(GroupOutcome(devices, False, group.failure, group.lied))
+                continue
+            limit, norm = self._limit(devices), float(np.linalg.norm(group.sum)) / self._weight(devices)
+            if norm > limit:
+                why = (f"the mean delta's L2 norm {norm:.4g} exceeds the {limit:.4g} that devices clipped to "
+                       f"{self.clip:g} can give: a device sent values beyond its clip norm")
+                out.append(GroupOutcome(devices, False, why, True))
+            else:
+                out.append(GroupOutcome(devices, True))
+        self._outcomes = out
+        return out
 
-    def _weight(self) -> float:
-        """What the sum is divided by: sum(n_j / s) over the contributors, or m under distributed DP."""
-        assert self.result is not None
+    def _weight(self, devices: Sequence[str]) -> float:
+        """What a sum is divided by: sum(n_j / s) over its contributors, or m under distributed DP."""
         if self.expected_weight is not None:
             return self.expected_weight
-        return sum(self.weights[self.roster[u]] for u in self.result.survivors) / self.weight_scale
+        return sum(self.weights[d] for d in devices) / self.weight_scale
 
-    def check_sum(self) -> str:
-        """The per-update norm check, moved to the sum: honest devices' deltas each have an L2 norm of at most C,
-        so their weighted mean has too (plus the quantization's error and, under DP, the noise's norm). A mean
-        beyond that means a device sent values beyond its clip norm (each value is only bounded by the
-        quantization range): "" when the sum passes, else why it does not (the round then releases nothing)."""
-        assert self.result is not None and self.server is not None
-        config, weight, contributors = self.server.config, self._weight(), len(self.result.survivors)
+    def _limit(self, devices: Sequence[str]) -> float:
+        """The largest L2 norm of the mean of `devices`' honest inputs."""
+        assert self.server is not None
+        config, weight, contributors = self.server.config, self._weight(devices), len(devices)
         signal = self.clip * (contributors / weight if self.expected_weight is not None else 1.0)  # DP: c over m
         step = 2 * config.clip / (2**config.value_bits - 1)  # nearest rounding: half a step per value and device
         quantization = contributors * step / 2 * np.sqrt(config.length) / weight
-        noise = self.noise_multiplier() * self.clip / weight * (np.sqrt(config.length) + 6)  # its norm, generously
-        limit = signal + quantization + noise
-        norm = float(np.linalg.norm(self.result.sum)) / weight
-        if norm <= limit:
-            return ""
-        self.refused_sum = (f"the mean delta's L2 norm {norm:.4g} exceeds the {limit:.4g} that devices clipped to "
-                            f"{self.clip:g} can give: a device sent values beyond its clip norm")
-        return self.refused_sum
+        noise = self.noise_std * math.sqrt(contributors) / weight * (np.sqrt(config.length) + 6)  # generously
+        return signal + quantization + noise
+
+    def released(self) -> list[str]:
+        """The devices whose inputs are in the released model."""
+        return [d for outcome in self.outcomes() if outcome.released for d in outcome.devices]
+
+    def contributions(self) -> dict[str, tuple[int, dict[str, float]]]:
+        """The devices in the released sum: their registered n_j and the metrics their update carried."""
+        return {d: (self._contributions[d].n_samples, self._contributions[d].metrics) for d in self.released()}
 
     def model(self, manifest: Manifest, base: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The round's model: base + the n_j-weighted mean of the contributors' clipped deltas (distributed DP:
-        their noisy sum over m on the trainable tensors, the others as they were); the base itself when the sum
-        failed its check."""
+        """The round's model: base + the n_j-weighted mean of the released groups' clipped deltas (distributed DP:
+        their noisy sum over m on the trainable tensors, the others as they were); the base itself when no group
+        is released."""
         assert self.result is not None
         out, start = {t.name: base[t.name].astype(t.dtype) for t in manifest.shared_tensors}, 0
-        if self.refused_sum:
+        released = [g for g, outcome in zip(self.result.groups, self.outcomes(), strict=True) if outcome.released]
+        if not released:
             return out
-        mean = self.result.sum / self._weight()
+        mean = sum(g.sum for g in released) / self._weight(self.released())
         for t in manifest.summed_tensors(self.settings.tensors):
             size = int(np.prod(t.shape, dtype=np.int64))
             delta = mean[start : start + size].reshape(t.shape)
@@ -328,6 +424,6 @@ class SecureRound:
         return out
 
     def noise_multiplier(self) -> float:
-        """The noise multiplier the released sum carries: std z * C * sqrt(c / m) over C, c the contributors."""
-        assert self.result is not None
-        return self.noise_std * len(self.result.survivors) ** 0.5 / self.clip
+        """The noise multiplier the released sum carries: std z * C * sqrt(c / m) over C, c the released
+        contributors."""
+        return self.noise_std * len(self.released()) ** 0.5 / self.clip

@@ -55,6 +55,10 @@ def run(
         False, help="Never send the update in the clear: take part only in secure aggregation (SecAgg+, "
                     "docs/privacy.md), which the coordinator's --secure-aggregation runs. Without this flag the "
                     "device still takes part in it whenever the coordinator asks."),
+    identity: Path = typer.Option(
+        None, help="Secure aggregation: the directory holding this device's identity (identity.pem, identity.cert, "
+                   "fleet-root.pub; deploy/provision-identity.sh writes it). Without it the device takes no part in "
+                   "secure aggregation."),
     reconnect_spread: float = typer.Option(30.0, min=0.0, help="After losing the broker, reconnect at a random "
                                            "moment within this many seconds, so a fleet does not come back at "
                                            "once; then full-jitter backoff up to 60 s."),
@@ -62,8 +66,9 @@ def run(
     """Train rounds until the coordinator announces the final model; resumes from --state-dir."""
     from fedper.compression import check_codec
     from fedper.data import DataError
+    from fedper.edge.agent import Agent, AgentConfig
     from fedper.edge.backend import BACKENDS
-    from fedper.edge.engine import Agent, AgentConfig, AgentError
+    from fedper.edge.engine import AgentError
     from fedper.edge.service import run_agent
     from fedper.edge.state import StateError
     from fedper.manifest import ManifestError
@@ -77,6 +82,7 @@ def run(
         seed=seed, username=username, password=password, tls_ca=str(tls_ca) if tls_ca else None,
         mqtt_version=mqtt_version, chunk_size=chunk_size, compression=compression, only_when=tuple(only_when),
         recheck_s=recheck_seconds, reconnect_spread_s=reconnect_spread, secure_aggregation=secure_aggregation,
+        identity=identity,
     )
     try:
         if backend not in BACKENDS:

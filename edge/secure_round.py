@@ -2,37 +2,62 @@
 
 The kernel (fedper.secagg) does the cryptography; this module turns the coordinator's relayed stage
 messages into the device's answers. The clear update never leaves this object: the device computes its
-delta from the round's model, clips it to L2 norm C (the session's quantization range, so no coordinate
-is clipped again), weights it by n_j / weight_scale, and sends it only quantized and masked. Under
+delta from the round's model, clips it to an L2 norm within the session's quantization range [-C, C] (so
+quantizing clips none of it), weights it by n_j / weight_scale, and sends it only quantized and masked. Under
 distributed DP the setup says so: the trainable tensors only, weight 1, and Gaussian noise of the setup's
-std added on the device before quantizing (numpy's generator from fresh OS entropy). Every
-message from the coordinator is checked before it is acted on: a setup for another session, another
-vector length, a threshold below a majority of the neighbours (with which a coordinator could collect
-both kinds of share of one device), a weight scale below this device's n_j, shares that fail AES-GCM, or
-an unmask request for both kinds of share of one device (`UnmaskRefused`) are refused, and the device
-sends nothing for that stage.
+std added on the device before quantizing (numpy's generator from fresh OS entropy), which quantizing does
+clip where it leaves [-C, C] (the coordinator widens C by 6 noise stds for it).
+
+The device's identity (--identity: its Ed25519 key, the fleet root's certificate of it and the root's public
+key, from deploy/provision-identity.sh) signs its advertised keys and the survivor set of the consistency check.
+Every message from the coordinator is checked before it is acted on: a setup for another session, another
+vector length, a threshold below a majority of the neighbours (with which a coordinator could collect both
+kinds of share of one device), a weight scale below this device's n_j, a neighbour's advert that the fleet's
+root does not vouch for, a survivor set too small to be signed by more than half of the session, or an unmask
+request without such signatures on the set this device signed are refused, and the device sends nothing for
+that stage. Shares that do not authenticate are reported, not refused. Once it has answered an unmask request
+in a round, the device takes part in no other session of that round (`answered_round`, kept in its state
+directory across restarts): two sums over the same saved update could be subtracted.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
+from fedper.checkpoint import atomic_write
 from fedper.manifest import Manifest, SummedTensors
 from fedper.privacy import clip_delta
-from fedper.secagg import DeviceKeys, SecAggClient, SecAggError, SecAggWire
+from fedper.secagg import DeviceKeys, Identity, SecAggClient, SecAggError, SecAggWire
 from fedper.wire import (
     Message,
     Outgoing,
+    SecAggMask,
     SecAggNeighbours,
     SecAggShares,
+    SecAggSurvivors,
     SecAggUnmaskRequest,
     Topics,
     UpdateMeta,
     chunk,
 )
+
+ANSWERED_FILE = "secagg-answered.json"  # in the agent's state directory: the round it revealed shares in
+SENT = {"neighbours": "shares sent", "shares": "shares received", "mask": "masked input sent",
+        "consistency": "survivors signed", "unmask": "unmask shares sent"}  # what each relayed stage led to
+
+
+def answered_round(state_dir: Path) -> tuple[int, str] | None:
+    """(round, its model's sha256) of the last round this device answered an unmask request in; None if none."""
+    try:
+        body = json.loads((state_dir / ANSWERED_FILE).read_text())
+        return int(body["round"]), str(body["model"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def clipped_delta(manifest: Manifest, update: Mapping[str, np.ndarray], model: Mapping[str, np.ndarray],
@@ -62,17 +87,37 @@ class SecureParticipant:
     n_samples: int
     meta: UpdateMeta  # of the masked input's chunks (codec secagg)
     chunk_size: int
+    identity_dir: Path | None  # --identity
+    state_dir: Path  # where answered_round is kept
+    model_sha256: str  # of the round's model: with the round, it names the round across runs
     keys: DeviceKeys = field(default_factory=DeviceKeys.generate, repr=False)
     client: SecAggClient | None = None
+    _identity: Identity | None = field(default=None, repr=False)
     _vector: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def wire(self) -> SecAggWire:
         return SecAggWire(self.round, self.session)
 
+    @property
+    def answered(self) -> bool:
+        """Whether this device revealed shares in this round (in this session or an earlier one)."""
+        return answered_round(self.state_dir) == (self.round, self.model_sha256)
+
     def advertise(self) -> Outgoing:
-        """Stage 1: the two public keys, for the session RoundInfo named."""
-        return Outgoing(self.topics.secagg(self.device), self.wire.advertise(self.keys.public()).encode())
+        """Stage 1: the two public keys for the session RoundInfo named, signed by the device's identity.
+        SecAggError without a usable identity, or once the device answered an unmask request in this round."""
+        if self.answered:
+            raise SecAggError(f"this device revealed shares in round {self.round} already: it takes part in no "
+                              "other session of the round (two sums could be subtracted)")
+        if self.identity_dir is None:
+            raise SecAggError("secure aggregation needs the device's identity: --identity DIR "
+                              "(deploy/provision-identity.sh)")
+        self._identity = Identity.load(self.identity_dir)
+        if self._identity.name != self.device:
+            raise SecAggError(f"the identity in {self.identity_dir} is {self._identity.name}'s, not {self.device}'s")
+        advert = self.keys.advert(self._identity, self.session)
+        return Outgoing(self.topics.secagg(self.device), self.wire.advertise(advert).encode())
 
     def handle(self, message: Message) -> list[Outgoing]:
         if (getattr(message, "round", None), getattr(message, "session", None)) != (self.round, self.session):
@@ -83,16 +128,23 @@ class SecureParticipant:
             return [self._share_keys(message)]
         if self.client is None:
             raise SecAggError("a stage message before the session's setup")
+        wire, client = self.wire, self.client
         if isinstance(message, SecAggShares):
+            report = client.receive_shares(wire.bundle(message, client.device, upward=False))
+            return [Outgoing(self.topics.secagg(self.device), wire.received(report).encode())]
+        if isinstance(message, SecAggMask):
             return self._masked_input(message)
+        if isinstance(message, SecAggSurvivors):
+            signature = client.sign_survivors(wire.survivor_list(message, client.device))
+            return [Outgoing(self.topics.secagg(self.device), wire.signature(signature).encode())]
         if isinstance(message, SecAggUnmaskRequest):
             return [self._unmask(message)]
         raise SecAggError(f"{type(message).__name__} is not a message for a device")
 
     def _share_keys(self, message: SecAggNeighbours) -> Outgoing:
         """Stage 2: check the setup, then Shamir-share the self-mask seed and the mask key to the neighbours."""
-        if self.client is not None:
-            raise SecAggError("a second setup for the same session")
+        if self.client is not None or self._identity is None:
+            raise SecAggError("a setup for a session this device did not advertise in, or a second one")
         config, neighbours, spec = self.wire.setup(message)  # ValueError if the setup is unsound
         if config.threshold <= config.degree // 2:
             raise SecAggError(f"threshold {config.threshold} is not a majority of {config.degree} neighbours: a "
@@ -107,7 +159,7 @@ class SecureParticipant:
         if vector.size != config.length:
             raise SecAggError(f"the session sums {config.length} values, this device's shared tensors hold "
                               f"{vector.size}")
-        client = SecAggClient(config, neighbours.device, self.keys)
+        client = SecAggClient(config, neighbours.device, self._identity, self.keys)
         client.advertise()  # stage 1 was the advert this device sent before the setup existed
         bundle = client.share_keys(neighbours)
         vector = vector if uniform else vector * (self.n_samples / spec.weight_scale)
@@ -116,19 +168,21 @@ class SecureParticipant:
         self.client, self._vector = client, vector
         return Outgoing(self.topics.secagg(self.device), self.wire.shares(bundle, upward=True).encode())
 
-    def _masked_input(self, message: SecAggShares) -> list[Outgoing]:
-        """Stage 3: the neighbours' shares (each must authenticate), then the masked input as update chunks."""
+    def _masked_input(self, message: SecAggMask) -> list[Outgoing]:
+        """Stage 4: the masked input as update chunks, masked with none of the excluded neighbours."""
         assert self.client is not None and self._vector is not None
-        bundle = self.wire.bundle(message, self.client.device, upward=False)
-        masked = self.client.masked_input(bundle, self._vector)
+        masked = self.client.masked_input(self.wire.mask_request(message, self.client.device), self._vector)
         self._vector = None  # masked once: the clear vector is no longer needed
         frames = chunk(masked.to_safetensors(), self.chunk_size, f"r{self.round}-s{self.session}",
                        self.meta.to_dict())
         return [Outgoing(self.topics.update(self.device), frame) for frame in frames]
 
     def _unmask(self, message: SecAggUnmaskRequest) -> Outgoing:
-        """Stage 4: the requested shares; both kinds for one device are refused (UnmaskRefused)."""
+        """Stage 6: the shares, given the signatures of more than half of the session on the survivors this device
+        signed (UnmaskRefused otherwise). The round is written down as answered before the shares go out."""
         assert self.client is not None
         response = self.client.unmask(self.wire.request(message, self.client.device))
+        atomic_write(self.state_dir / ANSWERED_FILE, json.dumps({"round": self.round,
+                                                                 "model": self.model_sha256}).encode())
         return Outgoing(self.topics.secagg(self.device), self.wire.unmask(response).encode())
 

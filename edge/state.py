@@ -1,18 +1,17 @@
 """The device's state directory: what must survive a kill, a reboot or a full disk.
 
-    split.json          the fixed train/test split of the local data (indices into the samples in
-                        load order), chosen once with a seed, with a fingerprint of the data: a
-                        restart never moves a test image into training
-    device.safetensors  a checkpoint (fedper.checkpoint) of the device after its last completed
-                        round: the device-local tensors (its head and their BatchNorm statistics)
-                        and its last update (the shared ones), with round, base_digest, n_samples,
-                        metrics and the names of the local tensors in its JSON metadata
+    split.json          the fixed train/test split of the local data (indices into the samples in load
+                        order, chosen once with a seed, with a fingerprint of the data): a restart never
+                        moves a test image into training
+    device.safetensors  a checkpoint (fedper.checkpoint) of the last completed round: the head (and its
+                        BatchNorm statistics) and the update sent, with round, base_digest, n_samples,
+                        metrics and the local tensors' names in its JSON metadata
     final.json          after the last round: the accuracy and loss of the model the device serves
     served.safetensors  that model: the final base and the device's head (FedBABU: fine-tuned)
 
-Every file is replaced atomically by fedper.checkpoint: a kill or a full disk at any point leaves
-the previous version whole. A device.safetensors written before the checkpoint format (its fields
-as separate safetensors metadata strings) is read once and rewritten in the checkpoint format.
+Every file is replaced atomically (fedper.checkpoint): a kill or a full disk leaves the previous version
+whole. Only the agent's jobs write here (edge/agent.py), never the engine. A device.safetensors of the
+format before the checkpoint (separate metadata strings) is read once and rewritten.
 """
 
 from __future__ import annotations
@@ -21,9 +20,8 @@ import errno
 import hashlib
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +29,13 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from fedper import checkpoint
+from fedper.edge.engine import Saved
 from fedper.manifest import Manifest
 
 SPLIT_FILE = "split.json"
 TENSORS_FILE = "device.safetensors"
+FINAL_FILE = "final.json"  # the served model's accuracy after the last round, for people and scripts
+SERVED_FILE = "served.safetensors"  # the model final.json measured
 TEST_FRACTION = 0.2
 
 log = logging.getLogger("fedper.edge")
@@ -54,29 +55,11 @@ def _saving(path: Path) -> Iterator[None]:
         raise StateError(f"cannot save {path}{hint}: {e.strerror or e}; the previous state is kept") from e
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """fedper.checkpoint.atomic_write, with a failure explained in the agent's terms."""
-    with _saving(path):
-        checkpoint.atomic_write(path, data)
-
-
 def data_fingerprint(x: np.ndarray, y: np.ndarray) -> str:
     h = hashlib.sha256()
     h.update(np.ascontiguousarray(x).tobytes())
     h.update(np.ascontiguousarray(y, dtype=np.int64).tobytes())
     return "sha256:" + h.hexdigest()
-
-
-@dataclass
-class Saved:
-    """What device.safetensors holds."""
-
-    round: int
-    base_digest: str
-    n_samples: int
-    local: dict[str, np.ndarray]  # device-local tensors (the head)
-    update: dict[str, np.ndarray]  # the shared tensors this device sent for `round`
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class DeviceState:
@@ -118,6 +101,14 @@ class DeviceState:
         path = self.dir / TENSORS_FILE
         with _saving(path):
             checkpoint.write_checkpoint(path, {**saved.update, **saved.local}, meta)
+
+    def save_served(self, tensors: Mapping[str, np.ndarray], record: dict[str, Any]) -> None:
+        """The model the device serves after the last round, then final.json, its accuracy on it."""
+        served, final = self.dir / SERVED_FILE, self.dir / FINAL_FILE
+        with _saving(served):
+            checkpoint.write_checkpoint(served, tensors, record)
+        with _saving(final):
+            checkpoint.atomic_write(final, json.dumps(record).encode())
 
     def load(self, manifest: Manifest) -> Saved | None:
         """The last completed round's state, or None for a fresh device. A state from another export

@@ -161,7 +161,8 @@ def run(
 @app.command()
 def figure(
     name: str = typer.Argument(
-        ..., help="fig2 | fig3 | fig4 | fig5-6 | fig7-8 | fig9-10 | fig11-12 | a3 | babu | dp | bn"),
+        ..., help="fig2 | fig3 | fig4 | fig5-6 | fig7-8 | fig9-10 | fig11-12 | a3 | babu | dp | bn | async "
+                  "(synchronous and asynchronous FedPer on a simulated clock)"),
     preset: str | None = typer.Option(None, help="smoke: MobileNet-v1 x0.25 on 5% of CIFAR-10 for 20 rounds "
                                                  "(fedper.emulate.figures.PRESETS); options given here win"),
     scale: float | None = typer.Option(None, help="Fraction (<= 1) of the samples and rounds kept, for smoke runs "
@@ -194,6 +195,17 @@ def figure(
     progress: bool = typer.Option(True, help="Show a progress bar per run"),
     jobs: int = typer.Option(1, min=1, help="Runs at a time, each in its own single-threaded process (CPU: up to "
                                             "one per core)"),
+    trace: Path | None = typer.Option(None, help="async: device trace, FedScale's format as JSON (default: the "
+                                                 "shipped synthetic one)"),
+    concurrency: int | None = typer.Option(None, min=1, help="async: devices training at once (default: every "
+                                                             "device)"),
+    buffer_size: int | None = typer.Option(None, min=1, help="async: K, deltas per released version (default 5)"),
+    max_staleness: int | None = typer.Option(None, min=0, help="async: refuse deltas more versions old than this "
+                                                               "(default 20)"),
+    over_select: float | None = typer.Option(None, min=1.0, help="async, synchronous curves: invite ceil(F * M) "
+                                                                 "devices a round, close at M (default 1)"),
+    deadline: float | None = typer.Option(None, min=0.0, help="async, synchronous curves: close a round after this "
+                                                              "many simulated seconds once it has an update"),
 ) -> None:
     """Run a named grid of experiments (reusing finished runs) and draw the paper's figure as PNG."""
     from fedper.data import DataError
@@ -205,6 +217,8 @@ def figure(
              "clients_per_round": clients_per_round, "clip_norm": clip_norm, "dp_delta": dp_delta}
     data_opts = {"clients": clients, "classes_per_client": classes_per_client, "shards": shards,
                  "input_size": input_size}
+    clock = {"trace": str(trace) if trace else None, "concurrency": concurrency, "buffer_size": buffer_size,
+             "max_staleness": max_staleness, "over_select": over_select, "deadline_s": deadline}
     try:
         chosen = with_preset(preset, {"scale": scale, "rounds": rounds, "model": model or None} | fleet | data_opts)
         scale = 1.0 if chosen["scale"] is None else chosen["scale"]
@@ -215,6 +229,7 @@ def figure(
             fleet_overrides={k: chosen[k] for k in fleet if chosen[k] is not None} | {"seed": seed},
             data_overrides={k: chosen[k] for k in data_opts if chosen[k] is not None} | {"seed": seed},
             models=tuple(chosen["model"] or ()), show_progress=progress, jobs=jobs,
+            clock_overrides={k: v for k, v in clock.items() if v is not None},
         )
     except KeyboardInterrupt:
         _fail(f"interrupted; finished rounds are kept under {out}, run the same command to continue", 130)

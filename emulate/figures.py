@@ -118,6 +118,7 @@ def _specs(data: DataConfig, fleet: FleetConfig) -> dict[str, Spec]:
 
 
 FIGURES = ("fig2", "fig3", "fig4", "fig5-6", "fig7-8", "fig9-10", "fig11-12", "a3", "babu", "dp", "bn")
+CLOCKED_FIGURE = "async"  # on a simulated clock, not a grid of rounds: emulate/async_figure.py
 # A figure's own data settings, under the command's overrides: FedBABU's 100 clients x 10 shards.
 DATA_DEFAULTS = {"babu": {"clients": 100, "partition": "shards", "shards": 10}}
 # A figure's own fleet settings, under the command's overrides: dp's clip norm (tune it to the update norms) and
@@ -184,12 +185,24 @@ def make_figure(
     models: tuple[str, ...] = (),
     show_progress: bool = True,
     jobs: int = 1,
+    clock_overrides: dict | None = None,
 ) -> Path:
     """Run (or reuse) every curve of figure `name` (only those of `models` when given) and write OUT/NAME.png
     (babu: OUT/babu-sS.png, S the shards per client); `rounds` None: the figure's (default_rounds).
-    `jobs` > 1 runs that many curves at a time, each in its own single-threaded process."""
+    `jobs` > 1 runs that many curves at a time, each in its own single-threaded process. `clock_overrides`:
+    figure async's ClockConfig fields (emulate/async_fleet.py)."""
+    if name == CLOCKED_FIGURE:
+        from fedper.emulate.async_figure import make_async_figure
+
+        return make_async_figure(out=out, scale=scale, data=data, dataset=dataset, device=device, rounds=rounds,
+                                 fleet_overrides=fleet_overrides or {}, data_overrides=data_overrides or {},
+                                 clock_overrides=clock_overrides or {}, models=models, show_progress=show_progress,
+                                 jobs=jobs)
+    if clock_overrides:
+        options = ", ".join(f"--{k.removesuffix('_s').replace('_', '-')}" for k in clock_overrides)
+        raise ValueError(f"{options}: for figure async only")
     if name not in FIGURES:
-        raise ValueError(f"unknown figure {name!r}; choose one of {', '.join(FIGURES)}")
+        raise ValueError(f"unknown figure {name!r}; choose one of {', '.join((*FIGURES, CLOCKED_FIGURE))}")
     base_data = DataConfig(scale=scale, **(DATA_DEFAULTS.get(name, {}) | (data_overrides or {})))
     base_fleet = FleetConfig(**(FLEET_DEFAULTS.get(name, {}) | (fleet_overrides or {})))
     spec = _specs(base_data, base_fleet)[name]

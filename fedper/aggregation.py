@@ -319,6 +319,10 @@ class _Collect:
         self.total_weight += weight
         self.count += 1
 
+    def updates(self) -> list[Mapping[str, Any]]:
+        """The kept updates in the order they came (a checkpoint writes them; adding them again rebuilds the rule)."""
+        return list(self._updates)
+
     def result(self) -> dict[str, Any]:
         if not self.count:
             raise ValueError("no update to aggregate")
@@ -349,6 +353,13 @@ class TrimmedMean(_Collect):
         k = int(self.trim * len(stacked))
         ordered = np.sort(stacked, axis=0)
         return ordered[k : len(stacked) - k].mean(axis=0)
+
+
+RULES: dict[str, type[WeightedMean] | type[_Collect]] = {  # by name, as --aggregator names them
+    "mean": WeightedMean,
+    "median": CoordinateMedian,
+    "trimmed-mean": TrimmedMean,
+}
 
 
 def as_float64(value: Tensor) -> Tensor:

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 from urllib.parse import urlparse
 
 import paho.mqtt.client as mqtt
@@ -212,7 +213,7 @@ class Session:
         self._log, self._farewell = log, farewell
         self._backoff = backoff or Backoff.coordinator()
         self._established = False
-        self._inbox: queue.Queue[Connected | Received | _Refused] = queue.Queue()
+        self._inbox: queue.Queue[Connected | Received | _Refused | Any] = queue.Queue()
         self._closing = False
         self._admit = admit
         client.on_connect = self._on_connect
@@ -274,8 +275,14 @@ class Session:
             if new:
                 self.client.subscribe(new)
 
-    def receive(self, timeout: float) -> Connected | Received | None:
-        """The next message or connect, None after `timeout` seconds of quiet; BrokerRefused when refused."""
+    def post(self, event: object) -> None:
+        """Queue an event of the role's own (a job's result from another thread) behind what has arrived, so
+        the thread that calls `receive` takes it in turn with the messages."""
+        self._inbox.put(event)
+
+    def receive(self, timeout: float) -> Connected | Received | Any | None:
+        """The next message or connect (or posted event), None after `timeout` seconds of quiet; BrokerRefused
+        when refused."""
         try:
             event = self._inbox.get(timeout=timeout)
         except queue.Empty:

@@ -1,40 +1,64 @@
-"""Secure aggregation (SecAgg+): the coordinator learns the sum of the devices' quantized updates and
-nothing about any one of them, even when devices drop out mid-round.
+"""Secure aggregation (SecAgg+): the coordinator learns sums of the devices' quantized updates and nothing about
+any one of them, even when devices drop out mid-round and even when the coordinator lies.
 
 The protocol is SecAgg+ (Bell, Bonawitz, Gascón, Lepoint, Raykova, CCS 2020, "Secure Single-Server
 Aggregation with (Poly)Logarithmic Overhead"), the sparse-graph form of SecAgg (Bonawitz et al., CCS
-2017, "Practical Secure Aggregation for Privacy-Preserving Machine Learning"). This module is its pure
-kernel: explicit stages, one client object per device and one server object per round, and `SecAggWire`,
-the one converter between its messages and fedper.wire's (the masked vector travels as safetensors). It
-does no I/O: the transport (MQTT, relayed by the coordinator) is fedper.coordinator.secure_round and
-fedper.edge.secure_round. Every primitive comes from `cryptography` (the `privacy` extra): X25519 key
-agreement, HKDF-SHA256, AES-256-GCM for the shares, AES-256-CTR as the mask generator. Shamir sharing
-is plain modular arithmetic over the Mersenne prime 2**521 - 1, large enough to share a 32-byte secret in one piece.
+2017, "Practical Secure Aggregation for Privacy-Preserving Machine Learning"), with the latter's consistency
+check against a malicious server (its round 3, ConsistencyCheck). This module is its pure kernel: explicit
+stages, one client object per device and one server object per session, and `SecAggWire`, the one converter
+between its messages and fedper.wire's (the masked vector travels as safetensors). It does no I/O: the
+transport (MQTT, relayed by the coordinator) is fedper.coordinator.secure_round and fedper.edge.secure_round.
+Every primitive comes from `cryptography` (the `privacy` extra): X25519 key agreement, HKDF-SHA256,
+AES-256-GCM for the shares, AES-256-CTR as the mask generator, Ed25519 for identities. Shamir sharing is plain
+modular arithmetic over the Mersenne prime 2**521 - 1, large enough to share a 32-byte secret in one piece.
+
+Identities. Every device holds an Ed25519 identity key and a certificate of it: the signature of the fleet's
+root key over (fleet, device name, public key), made when the device is provisioned (deploy/
+provision-identity.sh), with the root's public key pinned on the device. The root's private key stays with the
+operator; the coordinator never holds it, nor any device's identity key, so it can neither forge a device nor
+substitute a device's X25519 keys.
 
 Stages (a device missing from a stage has dropped out; the server never waits for it):
 
-0. Setup (`SecAggConfig`): n devices with indices 0..n-1 (the coordinator maps its device names to
-   them), the vector length, the clipping range, and a k-regular neighbour graph: the devices placed
-   on a ring in a seeded random order, each joined to the k/2 nearest on either side (a random Harary
-   graph, as in Bell et al.); k = n - 1 gives the complete graph of the original SecAgg. The default k
-   is 2 * ceil(1.5 * log2 n), so a device's cost grows as O(log n), and the default threshold is
-   t = floor(k/2) + 1, a majority of the neighbours: the smallest t at which honest devices, each
-   revealing one kind of share per neighbour, keep a server from collecting both kinds for a device.
-   That default suits light dropout; `degree_for` gives the k that a majority threshold needs for a
-   given dropout rate (heavy dropout needs a large k).
-1. Advertise keys: each device makes two fresh X25519 pairs, c (share encryption) and s (masks).
+0. Setup (`SecAggConfig`): the roster (device names by index 0..n-1), the vector length, the clipping range,
+   the groups (consecutive index ranges summed apart, each of at least 2 devices; one group by default) and in
+   each group a k-regular neighbour graph: the group's devices placed on a ring in a seeded random order, each
+   joined to the k/2 nearest on either side (a random Harary graph, as in Bell et al.); k = n - 1 gives the
+   complete graph of the original SecAgg. The default k is 2 * ceil(1.5 * log2 n), and the default threshold
+   is t = floor(k/2) + 1, a majority of the neighbours (a group smaller than k + 1 uses its own majority): the
+   smallest t at which honest devices, each revealing one kind of share per neighbour, keep a server from
+   collecting both kinds for a device. `degree_for` gives the k that a majority threshold needs for a given
+   dropout rate.
+1. Advertise keys: each device makes two fresh X25519 pairs, c (share encryption) and s (masks), and signs
+   them (with the session and its name) with its identity key. Every advert is checked against the certificate
+   and the fleet's root, by the server and by each neighbour.
 2. Share keys: each device draws a self-mask seed b, Shamir-shares b and its s private key among the
    neighbours that advertised (threshold t), and encrypts each neighbour's pair of shares with AES-GCM
-   under a key derived from their c agreement; the associated data binds round, sender and receiver.
-3. Masked input: the device quantizes its clipped vector to integers mod 2**32 and adds PRG(b) and, for
-   each neighbour v whose shares it received, +PRG(k_uv) if u < v else -PRG(k_uv), with k_uv derived
-   from the s agreement; the pairwise masks cancel in the sum.
-4. Unmask: for each neighbour the server asks either the share of b (the neighbour's masked input
-   arrived) or the share of its s key (it dropped after stage 2). An honest device never reveals both
-   kinds for one device, in one request or across requests (`UnmaskRefused`): with both, the server
-   could strip every mask from that device's input.
-Then the server reconstructs each survivor's b and each dropped device's s key from t shares, removes
-those masks, and dequantizes the sum.
+   under a key derived from their c agreement; the associated data binds the setup's digest, sender and
+   receiver.
+3. Receive shares: each device decrypts the shares relayed to it and reports the senders whose share does not
+   authenticate (`ShareReport`); it needs t that do. The server excludes every reported device from the
+   session (nobody masks with it) and tells each device which of its neighbours are excluded.
+4. Masked input: the device quantizes its clipped vector to integers mod 2**32 and adds PRG(b) and, for
+   each neighbour v whose share it holds and that is not excluded (at least t of them), +PRG(k_uv) if u < v
+   else -PRG(k_uv), with k_uv derived from the s agreement; the pairwise masks cancel in the sum.
+5. Consistency check: the server sends the survivor set S (the devices whose masked inputs it sums) to each of
+   them; a device in S signs (setup digest, S) with its identity key.
+6. Unmask: the server sends each signer the signatures of more than half of the session's n devices on that
+   same (setup, S). A device that verifies them (certificates, signatures, signers in S) reveals, once, for
+   each neighbour it masked with, the share of b if that neighbour is in S, or the share of its s key if it is
+   not; never both kinds of one device, and never a second time in the session.
+Then the server reconstructs, group by group, each survivor's b and each dropped device's s key from t shares,
+removes those masks, and dequantizes each group's sum; a group whose secrets cannot be rebuilt (too few
+answers) or do not check out (a seed beyond 32 bytes, a key that does not match its advert: somebody lied) has
+no sum, and the others still do.
+
+Why the check holds: each honest device signs one survivor set per session, so two different sets cannot both
+gather signatures from more than half of the n devices; every honest device that reveals anything has seen the
+same S, and for any device only one kind of share is ever revealed. The server then learns only sums: of a
+group's survivors, and, when S cuts a group's graph, of each connected part of it, each holding a survivor and
+at least t of its neighbours (its seed needs t shares from survivors, whose pairwise masks with it stay
+secret).
 
 Quantization. Each coordinate is clipped to [-clip, clip] and mapped to an integer in [0, 2**value_bits
 - 1] with scale (2**value_bits - 1) / (2 * clip), by nearest rounding (error at most 1/(2 scale) per
@@ -43,31 +67,36 @@ value_bits defaults to 32 - ceil(log2 n), so the sum of n devices' values stays 
 modular sum is the exact integer sum. Non-finite values are refused on the device: the clear update is
 only ever seen there, so the checks that need it (NaN, norm clipping) move to the device.
 
-Threat model. Honest-but-curious server, or a server that actively asks for both kinds of shares (the
-devices refuse). Not covered: devices that send wrong shares or malformed inputs (the server cannot
-tell; no robust reconstruction), a server that lies about who dropped to different devices beyond the
-one-kind rule, and the choice of the graph seed (public and chosen by the server here; against a
-malicious server it should come from a joint coin). Dropout: the round closes as long as every
-survivor and every device dropped after stage 2 keeps t neighbours that answer stage 4; otherwise
-`NotEnoughShares` names the device.
+Threat model and assumptions (docs/privacy.md states them in full): a server that deviates arbitrarily, no
+device colluding with it (with c colluding devices the signature count must exceed (n + c) / 2), identity keys
+and the root's private key out of the server's reach, and t a majority of each device's neighbours. A device
+that sends shares which do not authenticate is reported and excluded; one that sends authentic but wrong
+shares, or a wrong masked input, spoils its own group's sum, which the server sees fail (the coordinator then
+narrows the groups down to the device: fedper.coordinator.strategies.secure).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
+import json
 import math
 import os
 import secrets
 import struct
+from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import accumulate
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives import hashes
+from cryptography.exceptions import InvalidSignature, InvalidTag
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -79,9 +108,14 @@ from safetensors.numpy import save as st_save
 from fedper.manifest import SummedTensors
 from fedper.payload import safetensors_metadata
 from fedper.wire import (
+    NAME_RE,
     SecAggAdvertise,
+    SecAggMask,
     SecAggNeighbours,
+    SecAggReceived,
     SecAggShares,
+    SecAggSignature,
+    SecAggSurvivors,
     SecAggUnmask,
     SecAggUnmaskRequest,
     WireError,
@@ -91,29 +125,40 @@ PRIME = 2**521 - 1  # Shamir's field: a Mersenne prime above any 32-byte secret
 SHARE_BYTES = (PRIME.bit_length() + 7) // 8
 MODULUS_BITS = 32  # masked vectors are uint32: arithmetic mod 2**32 is numpy's own wrap-around
 SECRET_BYTES = 32  # a self-mask seed, an X25519 private key
-PROTOCOL = b"fedper-secagg/1"
+PROTOCOL = b"fedper-secagg/2"
+IDENTITY_CONTEXT = b"fedper-identity/1"  # what a certificate signs: this, fleet, device, key (NUL-separated)
 # Byte sizes of what crosses the wire (fedper.wire bounds their base64; docs/protocol.md, 6.9 states them).
-KEY_BYTES = 32  # an X25519 public key
+KEY_BYTES = 32  # an X25519 or Ed25519 public key
+SIGNATURE_BYTES = 64  # an Ed25519 signature
 NONCE_BYTES = 12  # AES-GCM's nonce
 TAG_BYTES = 16  # AES-GCM's tag
 SHARE_PLAINTEXT_BYTES = 8 + 2 * SHARE_BYTES  # sender and receiver (u32 each), the seed share and the key share
 SEALED_SHARE_BYTES = NONCE_BYTES + SHARE_PLAINTEXT_BYTES + TAG_BYTES  # nonce || AES-GCM ciphertext and tag
+ADVERT_BYTES = 3 * KEY_BYTES + 2 * SIGNATURE_BYTES  # c, s, identity keys; the certificate; the keys' signature
+SIGNER_BYTES = KEY_BYTES + 2 * SIGNATURE_BYTES  # identity key, its certificate, its signature of the survivors
+# A device's identity directory (deploy/provision-identity.sh writes it).
+IDENTITY_KEY_FILE, CERTIFICATE_FILE, ROOT_FILE = "identity.pem", "identity.cert", "fleet-root.pub"
 
 
 class SecAggError(Exception):
-    """A message that breaks the protocol (wrong round, stage, sender, size): the round cannot use it."""
+    """A message that breaks the protocol (wrong round, stage, sender, size): the session cannot use it."""
+
+
+class IdentityError(SecAggError):
+    """A certificate or a signature that does not verify: a forged device, or keys substituted in transit."""
 
 
 class UnmaskRefused(SecAggError):
-    """The server asked for both the self-mask share and the key share of one device."""
+    """An unmask request without signatures of more than half of the session on the survivors this device
+    signed, or a second request: answering it could reveal both kinds of share of one device."""
 
 
-class ShareDecryptionError(SecAggError):
-    """An encrypted share failed AES-GCM authentication: tampered, misaddressed or from another round."""
+class ReconstructionError(SecAggError):
+    """Shares that interpolate to no valid secret (a seed beyond 32 bytes, a key unlike its advert): a lie."""
 
 
 class NotEnoughShares(SecAggError):
-    """Fewer than t shares for a secret: the round cannot close (too many devices dropped)."""
+    """Fewer than t shares for a secret: it cannot be rebuilt (too many devices dropped)."""
 
     def __init__(self, device: int, kind: str, got: int, threshold: int) -> None:
         super().__init__(f"device {device}: {got} {kind} shares, {threshold} needed")
@@ -249,8 +294,10 @@ def _agree(private: X25519PrivateKey, public: bytes) -> bytes:
     return private.exchange(X25519PublicKey.from_public_bytes(public))
 
 
-def _share_aad(round_id: int, sender: int, receiver: int) -> bytes:
-    return PROTOCOL + struct.pack(">QII", round_id, sender, receiver)
+def _share_aad(setup: bytes, sender: int, receiver: int) -> bytes:
+    """A share's associated data: the setup's digest (session, roster, graph) and who sends it to whom, so a share
+    opens only for its receiver under the setup it was made for."""
+    return PROTOCOL + setup + struct.pack(">II", sender, receiver)
 
 
 def _apply_pairwise(total: np.ndarray, mask: np.ndarray, me: int, other: int, sign: int = 1) -> None:
@@ -261,53 +308,255 @@ def _apply_pairwise(total: np.ndarray, mask: np.ndarray, me: int, other: int, si
         np.subtract(total, mask, out=total)
 
 
-# ---------------------------------------------------------------- messages
+# ---------------------------------------------------------------- identities (Ed25519)
+
+
+def certificate_message(fleet: str, device: str, public: bytes) -> bytes:
+    """What the fleet's root signs to certify `public` as `device`'s identity key in `fleet`."""
+    return b"\0".join((IDENTITY_CONTEXT, fleet.encode(), device.encode(), public))
+
+
+def signature_valid(public: Ed25519PublicKey | bytes, signature: bytes, message: bytes) -> bool:
+    try:
+        key = public if isinstance(public, Ed25519PublicKey) else Ed25519PublicKey.from_public_bytes(public)
+        key.verify(signature, message)
+    except (InvalidSignature, ValueError):
+        return False
+    return True
+
+
+def certified(root: Ed25519PublicKey, fleet: str, device: str, public: bytes, certificate: bytes) -> bool:
+    """Whether `certificate` is the root's signature making `public` the identity of `device` in `fleet`."""
+    return signature_valid(root, certificate, certificate_message(fleet, device, public))
+
+
+def load_root(path: Path) -> Ed25519PublicKey:
+    """A fleet's root public key (PEM); ValueError (one line) when it is not one."""
+    try:
+        key = serialization.load_pem_public_key(Path(path).read_bytes())
+    except OSError as e:
+        raise ValueError(f"cannot read the fleet root key {path}: {e.strerror or e}") from None
+    except ValueError:
+        raise ValueError(f"{path} is not a PEM public key") from None
+    if not isinstance(key, Ed25519PublicKey):
+        raise ValueError(f"{path} is not an Ed25519 public key")
+    return key
+
+
+@dataclass(frozen=True)
+class Certificate:
+    """A device's identity key, certified by the fleet's root (the file identity.cert, JSON with base64 keys)."""
+
+    fleet: str
+    device: str
+    public: bytes
+    signature: bytes
+
+    def to_json(self) -> bytes:
+        return json.dumps({"fleet": self.fleet, "device": self.device, "public": _b64(self.public),
+                           "signature": _b64(self.signature)}).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Certificate:
+        try:
+            body = json.loads(data)
+            fleet, device = str(body["fleet"]), str(body["device"])
+            public = base64.b64decode(body["public"], validate=True)
+            signature = base64.b64decode(body["signature"], validate=True)
+        except (ValueError, KeyError, TypeError, binascii.Error) as e:
+            raise ValueError(f"not an identity certificate: {e}") from None
+        if len(public) != KEY_BYTES or len(signature) != SIGNATURE_BYTES:
+            raise ValueError("an identity certificate holds a 32-byte key and a 64-byte signature")
+        return cls(fleet, device, public, signature)
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A device's identity: its Ed25519 key, the root's certificate of it, and the fleet's root public key."""
+
+    key: Ed25519PrivateKey
+    certificate: Certificate
+    root: Ed25519PublicKey
+
+    @property
+    def name(self) -> str:
+        return self.certificate.device
+
+    @property
+    def fleet(self) -> str:
+        return self.certificate.fleet
+
+    @classmethod
+    def issue(cls, root: Ed25519PrivateKey, fleet: str, device: str) -> Identity:
+        """A fresh identity for `device`, certified by `root` (what deploy/provision-identity.sh does)."""
+        key = Ed25519PrivateKey.generate()
+        public = key.public_key().public_bytes_raw()
+        signature = root.sign(certificate_message(fleet, device, public))
+        return cls(key, Certificate(fleet, device, public, signature), root.public_key())
+
+    @classmethod
+    def load(cls, directory: Path) -> Identity:
+        """identity.pem, identity.cert and fleet-root.pub from `directory`; IdentityError (one line) otherwise."""
+        directory = Path(directory)
+        try:
+            key = serialization.load_pem_private_key((directory / IDENTITY_KEY_FILE).read_bytes(), password=None)
+            certificate = Certificate.from_json((directory / CERTIFICATE_FILE).read_bytes())
+            root = load_root(directory / ROOT_FILE)
+        except OSError as e:
+            raise IdentityError(f"cannot read the identity in {directory}: {e.strerror or e}") from None
+        except (ValueError, TypeError) as e:
+            raise IdentityError(f"{directory}: {e}") from None
+        if not isinstance(key, Ed25519PrivateKey) or key.public_key().public_bytes_raw() != certificate.public:
+            raise IdentityError(f"{directory}: {CERTIFICATE_FILE} does not certify the Ed25519 key in "
+                                f"{IDENTITY_KEY_FILE}")
+        if not certified(root, certificate.fleet, certificate.device, certificate.public, certificate.signature):
+            raise IdentityError(f"{directory}: {CERTIFICATE_FILE} is not signed by the root in {ROOT_FILE}")
+        return cls(key, certificate, root)
+
+    def save(self, directory: Path) -> Path:
+        """The three files `load` reads (identity.pem mode 600), as deploy/provision-identity.sh writes them."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        key = directory / IDENTITY_KEY_FILE
+        key.touch(mode=0o600)
+        key.write_bytes(self.key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+        (directory / CERTIFICATE_FILE).write_bytes(self.certificate.to_json())
+        (directory / ROOT_FILE).write_bytes(self.root.public_bytes(serialization.Encoding.PEM,
+                                                                   serialization.PublicFormat.SubjectPublicKeyInfo))
+        return directory
+
+    def sign(self, message: bytes) -> bytes:
+        return self.key.sign(message)
+
+
+def advert_message(session: int, device: str, c_public: bytes, s_public: bytes) -> bytes:
+    """What a device signs to advertise its keys: the session, its name, the two X25519 public keys."""
+    return PROTOCOL + b" advert" + struct.pack(">Q", session) + device.encode() + b"\0" + c_public + s_public
+
+
+def survivors_message(setup: bytes, survivors: Iterable[int]) -> bytes:
+    """What a device signs in the consistency check: the setup's digest and the survivor set, sorted."""
+    ordered = sorted(survivors)
+    return PROTOCOL + b" survivors" + setup + struct.pack(f">I{len(ordered)}I", len(ordered), *ordered)
+
+
+# ---------------------------------------------------------------- the setup
 
 
 @dataclass(frozen=True)
 class SecAggConfig:
-    """Stage 0, sent by the server with the round: who takes part and how the vector is encoded."""
+    """Stage 0, sent by the server with the session: who takes part, in which groups, and how the vector is
+    encoded. `round` is the session (keys and shares are bound to it)."""
 
     round: int
-    devices: int
+    roster: tuple[str, ...]  # index -> device name
     length: int
     clip: float
     degree: int
     threshold: int
     value_bits: int
     graph_seed: int
+    groups: tuple[int, ...]  # sizes of the groups summed apart, in index order
 
     @classmethod
-    def create(cls, round: int, devices: int, length: int, clip: float, degree: int | None = None,
-               threshold: int | None = None, graph_seed: int = 0) -> SecAggConfig:
+    def create(cls, round: int, roster: Sequence[str], length: int, clip: float, degree: int | None = None,
+               threshold: int | None = None, graph_seed: int = 0, groups: Sequence[int] = ()) -> SecAggConfig:
+        roster = tuple(roster)
+        devices = len(roster)
         degree = default_degree(devices) if degree is None else min(degree, devices - 1)
-        return cls(round, devices, length, clip, degree, degree // 2 + 1 if threshold is None else threshold,
-                   default_value_bits(devices), graph_seed)
+        return cls(round, roster, length, clip, degree, degree // 2 + 1 if threshold is None else threshold,
+                   default_value_bits(devices), graph_seed, tuple(groups) or (devices,))
 
     def __post_init__(self) -> None:
         if self.devices < 2 or self.length < 1 or not self.clip > 0:
             raise ValueError("need >= 2 devices, a non-empty vector and a positive clipping range")
+        if len(set(self.roster)) != self.devices or not all(isinstance(d, str) and NAME_RE.match(d)
+                                                            for d in self.roster):
+            raise ValueError("the roster must name distinct devices")
+        if sum(self.groups) != self.devices or min(self.groups) < 2:
+            raise ValueError(f"groups {list(self.groups)[:8]} must each hold >= 2 devices, {self.devices} in all")
         if not 1 <= self.threshold <= self.degree:
             raise ValueError(f"threshold {self.threshold} outside 1..{self.degree}")
         if not 1 <= self.value_bits <= default_value_bits(self.devices):
             raise ValueError(f"{self.value_bits}-bit values of {self.devices} devices could overflow 2**32")
 
+    @property
+    def devices(self) -> int:
+        return len(self.roster)
+
+    @property
+    def signatures_needed(self) -> int:
+        """Signers of one survivor set an unmask request must carry: more than half of the session."""
+        return self.devices // 2 + 1
+
+    @cached_property
+    def _starts(self) -> tuple[int, ...]:
+        return (0, *accumulate(self.groups))
+
+    def group(self, device: int) -> int:
+        """The group of index `device`."""
+        return bisect_right(self._starts, device) - 1
+
+    def members(self, group: int) -> range:
+        return range(self._starts[group], self._starts[group + 1])
+
+    def group_degree(self, group: int) -> int:
+        return min(self.degree, self.groups[group] - 1)
+
+    def group_threshold(self, group: int) -> int:
+        """t, or a majority of the neighbours in a group too small for k of them."""
+        degree = self.group_degree(group)
+        return self.threshold if degree == self.degree else degree // 2 + 1
+
+    def threshold_of(self, device: int) -> int:
+        return self.group_threshold(self.group(device))
+
     @cached_property
     def graph(self) -> tuple[tuple[int, ...], ...]:
-        return neighbour_graph(self.devices, self.degree, self.graph_seed)
+        """Each device's neighbours: a random Harary graph within each group (the seed offset by the group)."""
+        out: list[tuple[int, ...]] = []
+        for group, start in enumerate(self._starts[:-1]):
+            local = neighbour_graph(self.groups[group], self.group_degree(group), self.graph_seed + group)
+            out += [tuple(start + v for v in neighbours) for neighbours in local]
+        return tuple(out)
 
     def neighbours(self, device: int) -> tuple[int, ...]:
         return self.graph[device]
 
+    @cached_property
+    def digest(self) -> bytes:
+        """SHA-256 of everything the setup fixes: shares are bound to it, devices sign it with the survivors."""
+        head = struct.pack(">QQd5Q", self.round, self.length, self.clip, self.degree, self.threshold,
+                           self.value_bits, self.graph_seed, len(self.groups))
+        groups = struct.pack(f">{len(self.groups)}Q", *self.groups)
+        return hashlib.sha256(PROTOCOL + b" setup" + head + groups + "\0".join(self.roster).encode()).digest()
+
+
+# ---------------------------------------------------------------- messages
+
 
 @dataclass(frozen=True)
 class KeyAdvert:
-    """Stage 1, device -> server: the device's two public keys for this round."""
+    """Stage 1, device -> server: the device's two public keys for this session, signed by its identity key, with
+    that key and the root's certificate of it. `device` is its index, -1 until the setup gives it one."""
 
     round: int
     device: int
     c_public: bytes
     s_public: bytes
+    identity: bytes
+    certificate: bytes
+    signature: bytes
+
+    def problem(self, name: str, fleet: str, root: Ed25519PublicKey) -> str:
+        """"" when this is `name`'s advert in `fleet`: certified by the root, the keys signed for this session."""
+        if not certified(root, fleet, name, self.identity, self.certificate):
+            return f"the identity key of {name} is not certified by fleet {fleet}'s root"
+        if not signature_valid(self.identity, self.signature,
+                               advert_message(self.round, name, self.c_public, self.s_public)):
+            return f"the keys advertised for {name} are not signed by its identity key"
+        return ""
 
 
 @dataclass(frozen=True)
@@ -340,8 +589,26 @@ class EncryptedShares:
 
 
 @dataclass(frozen=True)
+class ShareReport:
+    """Stage 3, device -> server: the shares are in; `skipped`, the senders whose share did not authenticate."""
+
+    round: int
+    device: int
+    skipped: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class MaskRequest:
+    """Stage 3 -> 4, server -> device: mask with none of `excluded` (the device's neighbours that were reported)."""
+
+    round: int
+    device: int
+    excluded: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class MaskedInput:
-    """Stage 3, device -> server: the quantized vector plus its masks, uint32 (4 bytes a value, as fp32)."""
+    """Stage 4, device -> server: the quantized vector plus its masks, uint32 (4 bytes a value, as fp32)."""
 
     round: int
     device: int
@@ -366,19 +633,45 @@ class MaskedInput:
 
 
 @dataclass(frozen=True)
-class UnmaskRequest:
-    """Stage 4, server -> device: which neighbours' self-mask shares (survivors) and which neighbours' key
-    shares (dropped after stage 2) it must reveal."""
+class SurvivorList:
+    """Stage 5, server -> device: the devices whose masked inputs are summed (Bonawitz et al.'s U3), to sign."""
 
     round: int
     device: int
     survivors: tuple[int, ...]
-    dropped: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SurvivorSignature:
+    """Stage 5, device -> server: its identity's signature of survivors_message(setup digest, survivors)."""
+
+    round: int
+    device: int
+    signature: bytes
+
+
+@dataclass(frozen=True)
+class Signer:
+    """One survivor's signature of the survivor set, with what verifies it: its identity key and certificate."""
+
+    device: int
+    identity: bytes
+    certificate: bytes
+    signature: bytes
+
+
+@dataclass(frozen=True)
+class UnmaskRequest:
+    """Stage 6, server -> device: the signatures of more than half of the session on the survivor set."""
+
+    round: int
+    device: int
+    signers: tuple[Signer, ...]
 
 
 @dataclass(frozen=True)
 class UnmaskResponse:
-    """Stage 4, device -> server: the requested shares, keyed by the device whose secret they share."""
+    """Stage 6, device -> server: the requested shares, keyed by the device whose secret they share."""
 
     round: int
     device: int
@@ -387,12 +680,24 @@ class UnmaskResponse:
 
 
 @dataclass(frozen=True)
+class GroupSum:
+    """One group's outcome: its survivors, and their exact integer sum and dequantized float64 sum; or, when its
+    masks could not be removed, why (`lied`: shares that did not check out, rather than too few of them)."""
+
+    group: int
+    survivors: tuple[int, ...]
+    total: np.ndarray | None = field(default=None, repr=False)
+    sum: np.ndarray | None = field(default=None, repr=False)
+    failure: str = ""
+    lied: bool = False
+
+
+@dataclass(frozen=True)
 class AggregateResult:
-    """What the server learns: who was summed, the exact integer sum, and its dequantized float64 form."""
+    """What the server learns: who was summed (the signed survivor set) and each group's sum."""
 
     survivors: tuple[int, ...]
-    total: np.ndarray = field(repr=False)
-    sum: np.ndarray = field(repr=False)
+    groups: tuple[GroupSum, ...]
 
 
 # ---------------------------------------------------------------- the wire form (docs/protocol.md, 6.9)
@@ -426,6 +731,11 @@ def _unb64(text: str, size: int, what: str) -> bytes:
     return data
 
 
+def _split(raw: bytes, *sizes: int) -> list[bytes]:
+    """Consecutive fields of the given sizes."""
+    return [raw[end - size : end] for size, end in zip(sizes, accumulate(sizes), strict=True)]
+
+
 @dataclass(frozen=True)
 class SecAggWire:
     """The kernel's messages <-> fedper.wire's stage messages of one session, both ways: the one translation
@@ -437,30 +747,38 @@ class SecAggWire:
     round: int
     session: int
 
-    def advertise(self, keys: tuple[bytes, bytes]) -> SecAggAdvertise:
-        """Stage 1, up: a device's (c, s) public keys."""
-        return SecAggAdvertise(self.round, self.session, _b64(keys[0]), _b64(keys[1]))
+    def advertise(self, advert: KeyAdvert) -> SecAggAdvertise:
+        """Stage 1, up: a device's signed (c, s) public keys."""
+        return SecAggAdvertise(self.round, self.session, _b64(advert.c_public), _b64(advert.s_public),
+                               _b64(advert.identity), _b64(advert.certificate), _b64(advert.signature))
 
-    def keys(self, message: SecAggAdvertise) -> tuple[bytes, bytes]:
-        return _unb64(message.c_public, KEY_BYTES, "c_public"), _unb64(message.s_public, KEY_BYTES, "s_public")
+    def advert(self, message: SecAggAdvertise, device: int = -1) -> KeyAdvert:
+        return KeyAdvert(self.session, device, _unb64(message.c_public, KEY_BYTES, "c_public"),
+                         _unb64(message.s_public, KEY_BYTES, "s_public"),
+                         _unb64(message.identity, KEY_BYTES, "identity"),
+                         _unb64(message.certificate, SIGNATURE_BYTES, "certificate"),
+                         _unb64(message.signature, SIGNATURE_BYTES, "signature"))
 
     def neighbours(self, config: SecAggConfig, keys: NeighbourKeys, spec: VectorSpec) -> SecAggNeighbours:
-        """Stage 1 -> 2, down: device `keys.device`'s setup and its advertising neighbours' keys."""
+        """Stage 1 -> 2, down: device `keys.device`'s setup and its advertising neighbours' signed adverts."""
+        adverts = {str(a.device): _b64(a.c_public + a.s_public + a.identity + a.certificate + a.signature)
+                   for a in keys.adverts}
         return SecAggNeighbours(
-            round=self.round, session=self.session, devices=config.devices, index=keys.device, length=config.length,
-            clip=config.clip, degree=config.degree, threshold=config.threshold, value_bits=config.value_bits,
-            graph_seed=config.graph_seed, weight_scale=spec.weight_scale,
-            adverts={str(a.device): _b64(a.c_public + a.s_public) for a in keys.adverts},
-            clip_norm=spec.clip_norm, noise_std=spec.noise_std, weights=spec.weights, tensors=spec.tensors)
+            round=self.round, session=self.session, roster=list(config.roster), groups=list(config.groups),
+            index=keys.device, length=config.length, clip=config.clip, degree=config.degree,
+            threshold=config.threshold, value_bits=config.value_bits, graph_seed=config.graph_seed,
+            weight_scale=spec.weight_scale, adverts=adverts, clip_norm=spec.clip_norm, noise_std=spec.noise_std,
+            weights=spec.weights, tensors=spec.tensors)
 
     def setup(self, message: SecAggNeighbours) -> tuple[SecAggConfig, NeighbourKeys, VectorSpec]:
         """The setup a device got; ValueError when it is unsound (SecAggConfig's checks)."""
-        config = SecAggConfig(self.session, message.devices, message.length, message.clip, message.degree,
-                              message.threshold, message.value_bits, message.graph_seed)
+        config = SecAggConfig(self.session, tuple(message.roster), message.length, message.clip, message.degree,
+                              message.threshold, message.value_bits, message.graph_seed, tuple(message.groups))
         adverts = []
         for key, text in message.adverts.items():
-            pair = _unb64(text, 2 * KEY_BYTES, f"neighbour {key}'s keys")
-            adverts.append(KeyAdvert(self.session, int(key), pair[:KEY_BYTES], pair[KEY_BYTES:]))
+            raw = _unb64(text, ADVERT_BYTES, f"neighbour {key}'s advert")
+            adverts.append(KeyAdvert(self.session, int(key), *_split(raw, KEY_BYTES, KEY_BYTES, KEY_BYTES,
+                                                                     SIGNATURE_BYTES, SIGNATURE_BYTES)))
         spec = VectorSpec(message.weight_scale, message.clip_norm, message.noise_std, message.weights, message.tensors)
         return config, NeighbourKeys(self.session, message.index, tuple(adverts)), spec
 
@@ -478,15 +796,48 @@ class SecAggWire:
             shares.append(EncryptedShare(sender, receiver, sealed[:NONCE_BYTES], sealed[NONCE_BYTES:]))
         return EncryptedShares(self.session, device, tuple(shares))
 
+    def received(self, report: ShareReport) -> SecAggReceived:
+        """Stage 3, up: the senders whose share did not authenticate."""
+        return SecAggReceived(self.round, self.session, list(report.skipped))
+
+    def report(self, message: SecAggReceived, device: int) -> ShareReport:
+        return ShareReport(self.session, device, tuple(message.skipped))
+
+    def mask(self, request: MaskRequest) -> SecAggMask:
+        """Stage 3 -> 4, down: the neighbours not to mask with."""
+        return SecAggMask(self.round, self.session, list(request.excluded))
+
+    def mask_request(self, message: SecAggMask, device: int) -> MaskRequest:
+        return MaskRequest(self.session, device, tuple(message.excluded))
+
+    def survivors(self, survivors: SurvivorList) -> SecAggSurvivors:
+        """Stage 5, down: the survivor set to sign."""
+        return SecAggSurvivors(self.round, self.session, list(survivors.survivors))
+
+    def survivor_list(self, message: SecAggSurvivors, device: int) -> SurvivorList:
+        return SurvivorList(self.session, device, tuple(message.survivors))
+
+    def signature(self, signature: SurvivorSignature) -> SecAggSignature:
+        """Stage 5, up: the device's signature of the survivor set."""
+        return SecAggSignature(self.round, self.session, _b64(signature.signature))
+
+    def survivor_signature(self, message: SecAggSignature, device: int) -> SurvivorSignature:
+        return SurvivorSignature(self.session, device, _unb64(message.signature, SIGNATURE_BYTES, "signature"))
+
     def unmask_request(self, request: UnmaskRequest) -> SecAggUnmaskRequest:
-        """Stage 4, down: whose self-mask shares and whose key shares to reveal."""
-        return SecAggUnmaskRequest(self.round, self.session, list(request.survivors), list(request.dropped))
+        """Stage 6, down: the signers of the survivor set."""
+        return SecAggUnmaskRequest(self.round, self.session, {
+            str(s.device): _b64(s.identity + s.certificate + s.signature) for s in request.signers})
 
     def request(self, message: SecAggUnmaskRequest, device: int) -> UnmaskRequest:
-        return UnmaskRequest(self.session, device, tuple(message.survivors), tuple(message.dropped))
+        signers = []
+        for key, text in message.signatures.items():
+            raw = _unb64(text, SIGNER_BYTES, f"signature of {key}")
+            signers.append(Signer(int(key), *_split(raw, KEY_BYTES, SIGNATURE_BYTES, SIGNATURE_BYTES)))
+        return UnmaskRequest(self.session, device, tuple(signers))
 
     def unmask(self, response: UnmaskResponse) -> SecAggUnmask:
-        """Stage 4, up: the requested shares."""
+        """Stage 6, up: the requested shares."""
         return SecAggUnmask(self.round, self.session, {str(v): _b64(s) for v, s in response.seed_shares.items()},
                             {str(v): _b64(s) for v, s in response.key_shares.items()})
 
@@ -501,8 +852,8 @@ class SecAggWire:
 
 @dataclass(frozen=True)
 class DeviceKeys:
-    """A device's two fresh X25519 pairs for one round (c: share encryption, s: masks). Over MQTT a device
-    advertises them before the round's setup exists (the setup's roster is who advertised), then hands them
+    """A device's two fresh X25519 pairs for one session (c: share encryption, s: masks). Over MQTT a device
+    advertises them before the session's setup exists (the setup's roster is who advertised), then hands them
     to its `SecAggClient`."""
 
     c_key: X25519PrivateKey
@@ -515,23 +866,33 @@ class DeviceKeys:
     def public(self) -> tuple[bytes, bytes]:
         return (self.c_key.public_key().public_bytes_raw(), self.s_key.public_key().public_bytes_raw())
 
+    def advert(self, identity: Identity, session: int, device: int = -1) -> KeyAdvert:
+        """The public keys, signed for `session` by `identity` (Ed25519 signatures are deterministic)."""
+        c_public, s_public = self.public()
+        signature = identity.sign(advert_message(session, identity.name, c_public, s_public))
+        return KeyAdvert(session, device, c_public, s_public, identity.certificate.public,
+                         identity.certificate.signature, signature)
+
 
 class SecAggClient:
-    """One device's side of one round; each stage method takes the server's message and returns the reply.
-    Stages run once each, in order: a second masked input under the same masks would reveal the
-    difference of the two vectors."""
+    """One device's side of one session; each stage method takes the server's message and returns the reply.
+    Stages run once each, in order: a second masked input under the same masks would reveal the difference of
+    the two vectors, a second unmask answer both kinds of share."""
 
-    def __init__(self, config: SecAggConfig, device: int, keys: DeviceKeys | None = None) -> None:
+    def __init__(self, config: SecAggConfig, device: int, identity: Identity, keys: DeviceKeys | None = None) -> None:
         if not 0 <= device < config.devices:
             raise ValueError(f"device {device} outside 0..{config.devices - 1}")
-        self.config, self.device = config, device
+        if config.roster[device] != identity.name:
+            raise ValueError(f"the setup gives index {device} to {config.roster[device]}, not to {identity.name}")
+        self.config, self.device, self.identity = config, device, identity
         self._neighbours = set(config.neighbours(device))
-        keys = keys or DeviceKeys.generate()
-        self._c_key, self._s_key = keys.c_key, keys.s_key
+        self._threshold = config.threshold_of(device)
+        self._keys = keys or DeviceKeys.generate()
         self._seed = os.urandom(SECRET_BYTES)
         self._peers: dict[int, KeyAdvert] = {}
         self._held: dict[int, tuple[bytes, bytes]] = {}  # neighbour -> (its seed share, its key share)
-        self._revealed: dict[int, str] = {}  # neighbour -> "seed" | "key", what stage 4 gave away
+        self._masked_with: tuple[int, ...] = ()
+        self._survivors: frozenset[int] = frozenset()
         self._stage = 1
 
     def _enter(self, stage: int, round_id: int, device: int) -> None:
@@ -542,112 +903,152 @@ class SecAggClient:
         self._stage = stage + 1
 
     def advertise(self) -> KeyAdvert:
-        """Stage 1: the two public keys."""
+        """Stage 1: the two public keys, signed."""
         self._enter(1, self.config.round, self.device)
-        return KeyAdvert(self.config.round, self.device, *self._public_keys())
+        return self._keys.advert(self.identity, self.config.round, self.device)
 
     def share_keys(self, message: NeighbourKeys) -> EncryptedShares:
-        """Stage 2: b and the s private key shared among the neighbours that advertised, encrypted to each."""
+        """Stage 2: every neighbour's advert verified; b and the s private key shared among them, encrypted to each."""
         self._enter(2, message.round, message.device)
         peers = {a.device: a for a in message.adverts}
         if len(peers) != len(message.adverts) or not set(peers) <= self._neighbours:
             raise SecAggError("neighbour keys from devices that are not distinct neighbours")
-        if any(a.round != self.config.round for a in message.adverts):
-            raise SecAggError("neighbour keys from another round")
+        for advert in message.adverts:
+            if advert.round != self.config.round:
+                raise SecAggError("neighbour keys from another round")
+            problem = advert.problem(self.config.roster[advert.device], self.identity.fleet, self.identity.root)
+            if problem:
+                raise IdentityError(problem)
         keys = [k for a in message.adverts for k in (a.c_public, a.s_public)]
-        own = self._public_keys()
+        own = self._keys.public()
         if len(set(keys) | set(own)) != len(keys) + len(own):
             raise SecAggError("public keys are not all distinct")
-        if len(peers) < self.config.threshold:
-            raise NotEnoughShares(self.device, "neighbour key", len(peers), self.config.threshold)
+        if len(peers) < self._threshold:
+            raise NotEnoughShares(self.device, "neighbour key", len(peers), self._threshold)
         self._peers = peers
         xs = [v + 1 for v in sorted(peers)]
-        seed_shares = shamir_split(int.from_bytes(self._seed, "big"), self.config.threshold, xs)
-        key_shares = shamir_split(int.from_bytes(self._s_key.private_bytes_raw(), "big"), self.config.threshold, xs)
+        seed_shares = shamir_split(int.from_bytes(self._seed, "big"), self._threshold, xs)
+        key_shares = shamir_split(int.from_bytes(self._keys.s_key.private_bytes_raw(), "big"), self._threshold, xs)
         out = []
         for v in sorted(peers):
             plaintext = (struct.pack(">II", self.device, v) + seed_shares[v + 1].to_bytes(SHARE_BYTES, "big")
                          + key_shares[v + 1].to_bytes(SHARE_BYTES, "big"))
             nonce = os.urandom(NONCE_BYTES)
-            aad = _share_aad(self.config.round, self.device, v)
+            aad = _share_aad(self.config.digest, self.device, v)
             out.append(EncryptedShare(self.device, v, nonce, AESGCM(self._share_key(v)).encrypt(nonce, plaintext, aad)))
         return EncryptedShares(self.config.round, self.device, tuple(out))
 
-    def _public_keys(self) -> tuple[bytes, bytes]:
-        return (self._c_key.public_key().public_bytes_raw(), self._s_key.public_key().public_bytes_raw())
-
     def _share_key(self, neighbour: int) -> bytes:
-        return _derive(_agree(self._c_key, self._peers[neighbour].c_public), b"share-encryption", self.config.round)
+        return _derive(_agree(self._keys.c_key, self._peers[neighbour].c_public), b"share-encryption",
+                       self.config.round)
 
     def _mask_key(self, neighbour: int) -> bytes:
-        return _derive(_agree(self._s_key, self._peers[neighbour].s_public), b"pairwise-mask", self.config.round)
+        return _derive(_agree(self._keys.s_key, self._peers[neighbour].s_public), b"pairwise-mask", self.config.round)
 
-    def masked_input(self, message: EncryptedShares, vector: np.ndarray,
+    def receive_shares(self, message: EncryptedShares) -> ShareReport:
+        """Stage 3: keep the neighbours' shares that authenticate and report the senders of those that do not;
+        fewer than t that do is NotEnoughShares (the device goes no further)."""
+        self._enter(3, message.round, message.device)
+        held: dict[int, tuple[bytes, bytes]] = {}
+        skipped: list[int] = []
+        for share in message.shares:
+            if (share.receiver != self.device or share.sender not in self._peers or share.sender in held
+                    or share.sender in skipped):
+                raise SecAggError(f"share from {share.sender} to {share.receiver} is not for this device")
+            try:
+                plaintext = AESGCM(self._share_key(share.sender)).decrypt(
+                    share.nonce, share.ciphertext, _share_aad(self.config.digest, share.sender, self.device))
+            except InvalidTag:
+                plaintext = b""
+            if len(plaintext) != SHARE_PLAINTEXT_BYTES or struct.unpack(">II", plaintext[:8]) != (share.sender,
+                                                                                                   self.device):
+                skipped.append(share.sender)
+                continue
+            held[share.sender] = (plaintext[8 : 8 + SHARE_BYTES], plaintext[8 + SHARE_BYTES :])
+        if len(held) < self._threshold:
+            raise NotEnoughShares(self.device, "neighbour", len(held), self._threshold)
+        self._held = held
+        return ShareReport(self.config.round, self.device, tuple(sorted(skipped)))
+
+    def masked_input(self, request: MaskRequest, vector: np.ndarray,
                      rng: np.random.Generator | None = None) -> MaskedInput:
-        """Stage 3: store the neighbours' shares (each must authenticate), then the quantized vector plus
-        the self mask and the pairwise masks with the neighbours whose shares arrived."""
+        """Stage 4: the quantized vector plus the self mask and the pairwise masks with the neighbours whose shares
+        it holds, less the excluded ones; at least t of them (else a coordinator that excluded the others could
+        strip every mask it lacks the seed of, see docs/privacy.md)."""
         vector = np.asarray(vector).reshape(-1)
         if vector.size != self.config.length:
             raise ValueError(f"vector of {vector.size} values, the round expects {self.config.length}")
         quantized = quantize(vector, self.config.clip, self.config.value_bits, rng)  # refuses NaN before any state
-        self._enter(3, message.round, message.device)
-        held: dict[int, tuple[bytes, bytes]] = {}
-        for share in message.shares:
-            if share.receiver != self.device or share.sender not in self._peers or share.sender in held:
-                raise SecAggError(f"share from {share.sender} to {share.receiver} is not for this device")
-            try:
-                plaintext = AESGCM(self._share_key(share.sender)).decrypt(
-                    share.nonce, share.ciphertext, _share_aad(self.config.round, share.sender, self.device))
-            except InvalidTag:
-                raise ShareDecryptionError(f"the share from device {share.sender} does not authenticate") from None
-            if len(plaintext) != SHARE_PLAINTEXT_BYTES or struct.unpack(">II", plaintext[:8]) != (share.sender,
-                                                                                                   self.device):
-                raise ShareDecryptionError(f"the share from device {share.sender} is malformed")
-            held[share.sender] = (plaintext[8 : 8 + SHARE_BYTES], plaintext[8 + SHARE_BYTES :])
-        if len(held) < self.config.threshold:
-            raise NotEnoughShares(self.device, "neighbour", len(held), self.config.threshold)
-        self._held = held
+        self._enter(4, request.round, request.device)
+        if not set(request.excluded) <= self._neighbours:
+            raise SecAggError("excluded devices that are not this device's neighbours")
+        masked_with = tuple(sorted(set(self._held) - set(request.excluded)))
+        if len(masked_with) < self._threshold:
+            raise NotEnoughShares(self.device, "neighbour", len(masked_with), self._threshold)
+        self._masked_with = masked_with
         masked = quantized + prg(self._seed, self.config.length)
-        for v in sorted(held):
+        for v in masked_with:
             _apply_pairwise(masked, prg(self._mask_key(v), self.config.length), self.device, v)
         return MaskedInput(self.config.round, self.device, masked)
 
+    def sign_survivors(self, message: SurvivorList) -> SurvivorSignature:
+        """Stage 5: sign the survivor set, one per session, if it holds this device and could gather enough
+        signatures to be acted on."""
+        self._enter(5, message.round, message.device)
+        survivors = frozenset(message.survivors)
+        if len(survivors) != len(message.survivors) or not survivors <= set(range(self.config.devices)):
+            raise SecAggError("the survivors are not distinct devices of the session")
+        if self.device not in survivors:
+            raise SecAggError("the survivors leave out this device, whose masked input was sent")
+        if len(survivors) < self.config.signatures_needed:
+            raise SecAggError(f"{len(survivors)} survivors: the check needs {self.config.signatures_needed} to sign")
+        self._survivors = survivors
+        signature = self.identity.sign(survivors_message(self.config.digest, survivors))
+        return SurvivorSignature(self.config.round, self.device, signature)
+
     def unmask(self, request: UnmaskRequest) -> UnmaskResponse:
-        """Stage 4: the self-mask share of each surviving neighbour, the key share of each dropped one,
-        never both for one device (in this request or with what an earlier one revealed)."""
-        if request.round != self.config.round or request.device != self.device or self._stage != 4:
-            raise SecAggError("unmask request out of order or not for this device")
-        asked = [(v, "seed") for v in request.survivors] + [(v, "key") for v in request.dropped]
-        kinds: dict[int, set[str]] = {}
-        for v, kind in asked:
-            kinds.setdefault(v, set()).add(kind)
-            if v in self._revealed:
-                kinds[v].add(self._revealed[v])
-        both = sorted(v for v, k in kinds.items() if len(k) > 1)
-        if both:
-            raise UnmaskRefused(f"both share kinds requested for devices {both}")
-        unknown = sorted(v for v in kinds if v not in self._held)
-        if unknown:
-            raise SecAggError(f"no shares held for devices {unknown}")
-        for v, kind in asked:
-            self._revealed[v] = kind
-        return UnmaskResponse(self.config.round, self.device, {v: self._held[v][0] for v in request.survivors},
-                              {v: self._held[v][1] for v in request.dropped})
+        """Stage 6: given valid signatures of more than half of the session on the survivor set this device signed,
+        for each neighbour it masked with, the self-mask share of a survivor or the key share of one that is not.
+        Answered once (UnmaskRefused otherwise)."""
+        if request.round != self.config.round or request.device != self.device:
+            raise SecAggError("unmask request not for this device's session")
+        if self._stage == 7:
+            raise UnmaskRefused("this device answered an unmask request of this session already")
+        if self._stage != 6:
+            raise SecAggError(f"unmask request out of order: the device is at stage {self._stage}")
+        statement = survivors_message(self.config.digest, self._survivors)
+        valid = {s.device for s in request.signers
+                 if s.device in self._survivors
+                 and certified(self.identity.root, self.identity.fleet, self.config.roster[s.device], s.identity,
+                               s.certificate)
+                 and signature_valid(s.identity, s.signature, statement)}
+        if len(valid) < self.config.signatures_needed:
+            raise UnmaskRefused(f"{len(valid)} valid signatures of the survivor set this device signed, "
+                                f"{self.config.signatures_needed} needed (more than half of {self.config.devices})")
+        self._stage = 7
+        return UnmaskResponse(self.config.round, self.device,
+                              {v: self._held[v][0] for v in self._masked_with if v in self._survivors},
+                              {v: self._held[v][1] for v in self._masked_with if v not in self._survivors})
 
 
 # ---------------------------------------------------------------- the server
 
 
 class SecAggServer:
-    """The server's side of one round. Each stage method takes the messages that arrived before the stage
-    closed (absent devices have dropped) and returns the messages to send, keyed by device."""
+    """The server's side of one session. Each stage method takes the messages that arrived before the stage
+    closed (absent devices have dropped) and returns the messages to send, keyed by device; `check_*` checks one
+    message on its own (a transport checks each as it arrives)."""
 
-    def __init__(self, config: SecAggConfig) -> None:
-        self.config = config
+    def __init__(self, config: SecAggConfig, fleet: str, root: Ed25519PublicKey) -> None:
+        self.config, self.fleet, self.root = config, fleet, root
         self._adverts: dict[int, KeyAdvert] = {}
         self._sharers: set[int] = set()  # U2: the devices whose shares were relayed
-        self._requests: dict[int, UnmaskRequest] = {}  # U3 -> its stage-4 request
-        self._total = np.zeros(config.length, dtype=np.uint32)
+        self._relayed: dict[int, set[int]] = {}  # receiver -> the senders whose shares it was sent
+        self._excluded: set[int] = set()  # reported by a neighbour: nobody masks with them
+        self._masked_with: dict[int, set[int]] = {}  # a device asked for its input -> the neighbours it masks with
+        self._survivors: tuple[int, ...] = ()  # U3: the masked inputs summed
+        self._totals = [np.zeros(config.length, dtype=np.uint32) for _ in config.groups]
+        self._requests: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # signer -> (seeds of, keys of)
         self._stage = 1
 
     def _enter(self, stage: int) -> None:
@@ -663,42 +1064,27 @@ class SecAggServer:
         seen.add(device)
 
     def neighbour_keys(self, adverts: Iterable[KeyAdvert]) -> dict[int, NeighbourKeys]:
-        """Stage 1: each advertising device gets its advertising neighbours' keys."""
+        """Stage 1: each advertising device gets its advertising neighbours' adverts (each one verified)."""
         self._enter(1)
         seen: set[int] = set()
         for advert in adverts:
             self._check(advert.round, advert.device, range(self.config.devices), seen)
+            problem = advert.problem(self.config.roster[advert.device], self.fleet, self.root)
+            if problem:
+                raise IdentityError(problem)
             self._adverts[advert.device] = advert
         return {u: NeighbourKeys(self.config.round, u, tuple(self._adverts[v] for v in self.config.neighbours(u)
                                                              if v in self._adverts))
                 for u in sorted(self._adverts)}
 
     def check_shares(self, bundle: EncryptedShares) -> None:
-        """One device's stage-2 bundle on its own (a transport checks each as it arrives): SecAggError unless
-        it holds exactly one share from the device to each of its advertising neighbours."""
+        """One stage-2 bundle: exactly one share from the device to each of its advertising neighbours."""
         if bundle.round != self.config.round or bundle.device not in self._adverts:
             raise SecAggError(f"shares from device {bundle.device} for round {bundle.round}: not expected")
         expected = {v for v in self.config.neighbours(bundle.device) if v in self._adverts}
         if ({s.receiver for s in bundle.shares} != expected or len(bundle.shares) != len(expected)
                 or any(s.sender != bundle.device for s in bundle.shares)):
             raise SecAggError(f"device {bundle.device} did not send one share to each advertising neighbour")
-
-    def check_masked(self, masked: MaskedInput) -> None:
-        """One stage-3 input on its own: from a device whose shares were relayed, `length` uint32 values."""
-        if masked.round != self.config.round or masked.device not in self._sharers:
-            raise SecAggError(f"masked input from device {masked.device} for round {masked.round}: not expected")
-        if masked.masked.dtype != np.uint32 or masked.masked.shape != (self.config.length,):
-            raise SecAggError(f"device {masked.device}: masked vector is not {self.config.length} uint32 values")
-
-    def check_response(self, response: UnmaskResponse) -> None:
-        """One stage-4 answer on its own: exactly the shares its request asked for, each of the right size."""
-        request = self._requests.get(response.device)
-        if response.round != self.config.round or request is None:
-            raise SecAggError(f"unmask response from device {response.device} for round {response.round}: "
-                              "not expected")
-        for wanted, given in ((request.survivors, response.seed_shares), (request.dropped, response.key_shares)):
-            if set(given) != set(wanted) or any(len(s) != SHARE_BYTES for s in given.values()):
-                raise SecAggError(f"device {response.device} did not answer its unmask request")
 
     def relay_shares(self, bundles: Iterable[EncryptedShares]) -> dict[int, EncryptedShares]:
         """Stage 2: every sharing device gets the shares addressed to it."""
@@ -709,26 +1095,117 @@ class SecAggServer:
             self.check_shares(bundle)
             for share in bundle.shares:
                 inbox.setdefault(share.receiver, []).append(share)
-        return {u: EncryptedShares(self.config.round, u, tuple(inbox.get(u, ()))) for u in sorted(self._sharers)}
+        self._relayed = {u: {s.sender for s in inbox.get(u, ()) if s.sender in self._sharers} for u in self._sharers}
+        return {u: EncryptedShares(self.config.round, u, tuple(s for s in inbox.get(u, ())
+                                                               if s.sender in self._sharers))
+                for u in sorted(self._sharers)}
 
-    def unmask_requests(self, inputs: Iterable[MaskedInput]) -> dict[int, UnmaskRequest]:
-        """Stage 3: sum the masked inputs (mod 2**32); ask each contributor for its neighbours' shares."""
+    def check_report(self, report: ShareReport) -> None:
+        """One stage-3 report: senders whose shares the device was sent, few enough to leave it t shares."""
+        relayed = self._relayed.get(report.device)
+        if report.round != self.config.round or relayed is None:
+            raise SecAggError(f"share report from device {report.device} for round {report.round}: not expected")
+        skipped = set(report.skipped)
+        if len(skipped) != len(report.skipped) or not skipped <= relayed:
+            raise SecAggError(f"device {report.device} reports devices whose shares it was not sent")
+        if len(relayed) - len(skipped) < self.config.threshold_of(report.device):
+            raise SecAggError(f"device {report.device} reports {len(skipped)} of {len(relayed)} shares: it would "
+                              f"keep fewer than t = {self.config.threshold_of(report.device)}")
+
+    def mask_requests(self, reports: Iterable[ShareReport]) -> dict[int, MaskRequest]:
+        """Stage 3: every reported device leaves the session (nobody masks with it); each reporter not reported
+        that keeps t neighbours to mask with is asked for its masked input."""
         self._enter(3)
         seen: set[int] = set()
+        skipped: dict[int, set[int]] = {}
+        for report in reports:
+            self._check(report.round, report.device, self._relayed, seen)
+            self.check_report(report)
+            skipped[report.device] = set(report.skipped)
+        self._excluded = set().union(*skipped.values())
+        requests = {}
+        for u in sorted(set(skipped) - self._excluded):
+            masked_with = self._relayed[u] - skipped[u] - self._excluded
+            if len(masked_with) >= self.config.threshold_of(u):
+                self._masked_with[u] = masked_with
+                excluded = tuple(sorted(self._excluded & set(self.config.neighbours(u))))
+                requests[u] = MaskRequest(self.config.round, u, excluded)
+        return requests
+
+    @property
+    def excluded(self) -> tuple[int, ...]:
+        """The devices reported in stage 3."""
+        return tuple(sorted(self._excluded))
+
+    def check_masked(self, masked: MaskedInput) -> None:
+        """One stage-4 input: from a device asked for it, `length` uint32 values."""
+        if masked.round != self.config.round or masked.device not in self._masked_with:
+            raise SecAggError(f"masked input from device {masked.device} for round {masked.round}: not expected")
+        if masked.masked.dtype != np.uint32 or masked.masked.shape != (self.config.length,):
+            raise SecAggError(f"device {masked.device}: masked vector is not {self.config.length} uint32 values")
+
+    def survivor_lists(self, inputs: Iterable[MaskedInput]) -> dict[int, SurvivorList]:
+        """Stage 4: sum the masked inputs per group (mod 2**32); send the survivor set to each survivor to sign.
+        SecAggError when fewer than the signatures the check needs arrived (the session cannot finish)."""
+        self._enter(4)
+        seen: set[int] = set()
         for masked in inputs:
-            self._check(masked.round, masked.device, self._sharers, seen)
+            self._check(masked.round, masked.device, self._masked_with, seen)
             self.check_masked(masked)
-            np.add(self._total, masked.masked, out=self._total)
-        for u in sorted(seen):
-            sharing = [v for v in self.config.neighbours(u) if v in self._sharers]
-            self._requests[u] = UnmaskRequest(self.config.round, u, tuple(v for v in sharing if v in seen),
-                                              tuple(v for v in sharing if v not in seen))
-        return dict(self._requests)
+            total = self._totals[self.config.group(masked.device)]
+            np.add(total, masked.masked, out=total)
+        self._survivors = tuple(sorted(seen))
+        if len(seen) < self.config.signatures_needed:
+            raise SecAggError(f"{len(seen)} masked inputs: the consistency check needs {self.config.signatures_needed}"
+                              f" (more than half of the session's {self.config.devices})")
+        return {u: SurvivorList(self.config.round, u, self._survivors) for u in self._survivors}
+
+    def check_signature(self, signature: SurvivorSignature) -> None:
+        """One stage-5 signature: a survivor's identity key signed the setup and the survivors."""
+        if signature.round != self.config.round or signature.device not in self._survivors:
+            raise SecAggError(f"signature from device {signature.device} for round {signature.round}: not expected")
+        statement = survivors_message(self.config.digest, self._survivors)
+        if not signature_valid(self._adverts[signature.device].identity, signature.signature, statement):
+            raise IdentityError(f"device {signature.device}'s signature of the survivors does not verify")
+
+    def unmask_requests(self, signatures: Iterable[SurvivorSignature]) -> dict[int, UnmaskRequest]:
+        """Stage 5: each signer gets the signatures of more than half of the session (the first by index), and is
+        asked, for each neighbour it masked with, the seed share of a survivor or the key share of one that is not.
+        SecAggError when fewer signed."""
+        self._enter(5)
+        seen: set[int] = set()
+        signers: dict[int, Signer] = {}
+        for signature in signatures:
+            self._check(signature.round, signature.device, self._survivors, seen)
+            self.check_signature(signature)
+            advert = self._adverts[signature.device]
+            signers[signature.device] = Signer(signature.device, advert.identity, advert.certificate,
+                                               signature.signature)
+        if len(signers) < self.config.signatures_needed:
+            raise SecAggError(f"{len(signers)} devices signed the survivors, the check needs "
+                              f"{self.config.signatures_needed}")
+        survivors = set(self._survivors)
+        for u in signers:
+            masked_with = sorted(self._masked_with[u])
+            self._requests[u] = (tuple(v for v in masked_with if v in survivors),
+                                 tuple(v for v in masked_with if v not in survivors))
+        chosen = tuple(signers[u] for u in sorted(signers)[: self.config.signatures_needed])
+        return {u: UnmaskRequest(self.config.round, u, chosen) for u in sorted(signers)}
+
+    def check_response(self, response: UnmaskResponse) -> None:
+        """One stage-6 answer: exactly the shares its device was asked for, each of the right size."""
+        request = self._requests.get(response.device)
+        if response.round != self.config.round or request is None:
+            raise SecAggError(f"unmask response from device {response.device} for round {response.round}: "
+                              "not expected")
+        for wanted, given in zip(request, (response.seed_shares, response.key_shares), strict=True):
+            if set(given) != set(wanted) or any(len(s) != SHARE_BYTES for s in given.values()):
+                raise SecAggError(f"device {response.device} did not answer its unmask request")
 
     def aggregate(self, responses: Iterable[UnmaskResponse]) -> AggregateResult:
-        """Stage 4: reconstruct each contributor's b and each dropped device's s key, remove their masks,
-        dequantize the sum of the contributors' vectors."""
-        self._enter(4)
+        """Stage 6: group by group, reconstruct each survivor's b and each dropped device's s key, remove their
+        masks, dequantize the sum. A group whose secrets cannot be rebuilt, or do not check out, has no sum."""
+        self._enter(6)
         seed_shares: dict[int, dict[int, int]] = {}
         key_shares: dict[int, dict[int, int]] = {}
         seen: set[int] = set()
@@ -738,24 +1215,41 @@ class SecAggServer:
             for given, into in ((response.seed_shares, seed_shares), (response.key_shares, key_shares)):
                 for v, share in given.items():
                     into.setdefault(v, {})[response.device + 1] = int.from_bytes(share, "big")
-        total = self._total.copy()
-        threshold, length = self.config.threshold, self.config.length
-        for u in sorted(self._requests):
-            seed = reconstruct(seed_shares.get(u, {}), threshold, u, "self-mask")
+        groups = []
+        for group in range(len(self.config.groups)):
+            survivors = tuple(u for u in self._survivors if self.config.group(u) == group)
+            if not survivors:
+                continue
+            try:
+                total = self._unmask_group(group, survivors, seed_shares, key_shares)
+            except (ReconstructionError, NotEnoughShares) as e:
+                groups.append(GroupSum(group, survivors, failure=str(e), lied=isinstance(e, ReconstructionError)))
+                continue
+            groups.append(GroupSum(group, survivors, total,
+                                   dequantize(total, self.config.clip, self.config.value_bits, len(survivors))))
+        return AggregateResult(self._survivors, tuple(groups))
+
+    def _unmask_group(self, group: int, survivors: tuple[int, ...], seed_shares: dict[int, dict[int, int]],
+                      key_shares: dict[int, dict[int, int]]) -> np.ndarray:
+        total, length = self._totals[group].copy(), self.config.length
+        for u in survivors:
+            seed = reconstruct(seed_shares.get(u, {}), self.config.threshold_of(u), u, "self-mask")
             if seed >= 1 << (8 * SECRET_BYTES):
-                raise SecAggError(f"device {u}: the reconstructed self-mask seed is not a {SECRET_BYTES}-byte value")
+                raise ReconstructionError(f"device {u}: the reconstructed self-mask seed is not a {SECRET_BYTES}-byte "
+                                          "value")
             np.subtract(total, prg(seed.to_bytes(SECRET_BYTES, "big"), length), out=total)
-        for v in sorted(self._sharers - set(self._requests)):
-            secret = reconstruct(key_shares.get(v, {}), threshold, v, "mask key")
+        alive = set(self._survivors)
+        for v in self.config.members(group):
+            maskers = [w for w in self.config.neighbours(v) if w in alive and v in self._masked_with.get(w, ())]
+            if v in alive or not maskers:
+                continue
+            secret = reconstruct(key_shares.get(v, {}), self.config.threshold_of(v), v, "mask key")
             if secret >= 1 << (8 * SECRET_BYTES):
-                raise SecAggError(f"device {v}: the reconstructed key is not a {SECRET_BYTES}-byte value")
+                raise ReconstructionError(f"device {v}: the reconstructed key is not a {SECRET_BYTES}-byte value")
             s_key = X25519PrivateKey.from_private_bytes(secret.to_bytes(SECRET_BYTES, "big"))
             if s_key.public_key().public_bytes_raw() != self._adverts[v].s_public:
-                raise SecAggError(f"device {v}: the reconstructed key does not match its advertised key")
-            for w in self.config.neighbours(v):
-                if w in self._requests:  # w masked with v; undo w's side of the pair
-                    key = _derive(_agree(s_key, self._adverts[w].s_public), b"pairwise-mask", self.config.round)
-                    _apply_pairwise(total, prg(key, length), w, v, sign=-1)
-        survivors = tuple(sorted(self._requests))
-        return AggregateResult(survivors, total, dequantize(total, self.config.clip, self.config.value_bits,
-                                                            len(survivors)))
+                raise ReconstructionError(f"device {v}: the reconstructed key does not match its advertised key")
+            for w in maskers:  # w masked with v; undo w's side of the pair
+                key = _derive(_agree(s_key, self._adverts[w].s_public), b"pairwise-mask", self.config.round)
+                _apply_pairwise(total, prg(key, length), w, v, sign=-1)
+        return total

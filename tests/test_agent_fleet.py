@@ -21,8 +21,8 @@ from safetensors.numpy import load_file
 
 from fedper.aggregation import WeightedMean
 from fedper.data import load_digits
+from fedper.edge.agent import Agent, AgentConfig, load_local_data
 from fedper.edge.backend import check_artifacts, open_backend
-from fedper.edge.engine import Agent, AgentConfig, load_local_data
 from fedper.edge.state import DeviceState
 from fedper.payload import decode_shared, encode_shared
 

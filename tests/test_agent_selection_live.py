@@ -15,7 +15,7 @@ import pytest
 from helpers.processes import run_fleet
 
 from fedper.data import load_digits
-from fedper.edge.engine import Agent, AgentConfig
+from fedper.edge.agent import Agent, AgentConfig
 
 pytestmark = pytest.mark.mosquitto
 ROUNDS = 3

@@ -7,7 +7,10 @@ with `ast` (nothing is imported, so lazy imports inside functions and TYPE_CHECK
 - `fedper.edge` and `fedper.coordinator` import only the kernel, never each other;
 - only the umbrella CLI `fedper.cli` (folder cli/) may import every role;
 - within the coordinator, an aggregation strategy (coordinator/strategies/) imports neither the engine
-  nor the service (nor the CLI that runs them): it sees the engine only through `strategies.base.Fleet`.
+  nor the service (nor the CLI that runs them): it sees the engine only through `strategies.base.Fleet`;
+- the agent's engine (edge/engine.py) does no I/O: it imports no training backend, no MQTT client and
+  nothing that reads or writes files or runs processes (the state directory's writer included), and calls
+  no file method; its jobs are done by edge/agent.py.
 
 Folders map to packages through pyproject.toml's [tool.setuptools.package-dir].
 """
@@ -16,6 +19,8 @@ from __future__ import annotations
 
 import ast
 import shutil
+import subprocess
+import sys
 from collections.abc import Set
 from pathlib import Path
 
@@ -39,11 +44,18 @@ ALLOWED = {
 # docs/architecture.md: the agent's optional PyTorch backend builds the network from the manifest
 # with fedper.models, lazily, so that a device training with ORT never loads it.
 EXCEPTIONS = {("fedper.edge.torch_backend", "fedper.models")}
-# Inside a layer: modules under a package may not import these modules of the same layer.
+# Modules under a package may not import these (modules of the same layer, or I/O of any kind).
 FORBIDDEN = {
     "fedper.coordinator.strategies": ("fedper.coordinator.engine", "fedper.coordinator.service",
                                       "fedper.coordinator.cli"),
+    "fedper.edge.engine": ("fedper.edge.agent", "fedper.edge.backend", "fedper.edge.ort_backend",
+                           "fedper.edge.torch_backend", "fedper.edge.service", "fedper.edge.cli", "fedper.edge.state",
+                           "fedper.edge.eligibility", "fedper.mqtt", "fedper.checkpoint", "fedper.data", "paho",
+                           "onnxruntime", "torch", "os", "io", "pathlib", "shutil", "subprocess", "tempfile", "socket"),
 }
+PURE = ("fedper.edge.engine",)  # modules that may call no file method either
+FILE_CALLS = {"open", "read_text", "write_text", "read_bytes", "write_bytes", "mkdir", "unlink", "rename", "touch",
+              "rmdir"}
 
 
 def layer(module: str) -> str | None:
@@ -119,6 +131,20 @@ def violations(root: Path, exceptions: Set[tuple[str, str]] = frozenset()) -> li
     return broken
 
 
+def file_calls(root: Path) -> list[str]:
+    """One line per call of `open` or of a file method (Path's read_text, write_bytes, ...) in a PURE module."""
+    found = []
+    for module, path in modules(root).items():
+        if not any(within(module, pure) for pure in PURE):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Call):
+                name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+                if name in FILE_CALLS:
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: {module} calls {name}()")
+    return found
+
+
 def test_every_layer_is_a_folder_of_the_wheel() -> None:
     found = modules(ROOT)
     assert set(package_dirs(ROOT)) >= {KERNEL, *ROLES}
@@ -128,6 +154,17 @@ def test_every_layer_is_a_folder_of_the_wheel() -> None:
 
 def test_the_tree_keeps_the_import_rules() -> None:
     assert violations(ROOT, EXCEPTIONS) == []
+
+
+def test_the_agents_engine_does_no_io() -> None:
+    """No file method in its source; importing it loads no MQTT client, backend runtime or state writer."""
+    assert file_calls(ROOT) == []
+    loaded = ("paho", "onnxruntime", "torch", "fedper.mqtt", "fedper.checkpoint", "fedper.edge.state",
+              "fedper.edge.backend", "fedper.edge.eligibility")
+    code = (f"import sys, fedper.edge.engine; print(sorted(m for m in sys.modules if m.startswith({loaded!r}) "
+            "and m.split('.')[0] in ('paho', 'onnxruntime', 'torch', 'fedper')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.strip() == "[]"
 
 
 def test_every_exception_is_still_needed() -> None:
@@ -174,6 +211,12 @@ PYPROJECT = """
          None),
         ("coordinator/engines.py", "from fedper.coordinator.engine import Coordinator\n", None),
         ("edge/x.py", "import numpy\nfrom fedper.manifest import Manifest\nfrom . import state\n", None),
+        ("edge/engine.py", "from fedper.edge.state import DeviceState\n",
+         "fedper.edge.engine imports fedper.edge.state.DeviceState, which it may not"),
+        ("edge/engine.py", "def f():\n    from .ort_backend import OrtBackend\n", "imports fedper.edge.ort_backend"),
+        ("edge/engine.py", "import paho.mqtt.client as mqtt\n", "imports paho.mqtt.client, which it may not"),
+        ("edge/engine.py", "from pathlib import Path\n", "imports pathlib.Path, which it may not"),
+        ("edge/engine.py", "from fedper.wire import Outgoing\nfrom .secure_round import SecureParticipant\n", None),
         ("export/x.py", "from fedper.models import build_model\nfrom .graph import rewrite\n", None),
         ("emulate/x.py", "from fedper.models.split import split\nfrom fedper.data import load_digits\n", None),
         ("cli/x.py", "".join(f"import {role}\n" for role in ROLES), None),
@@ -189,6 +232,19 @@ def test_checker_on_synthetic_sources(tmp_path: Path, file: str, source: str, br
         assert found == []
     else:
         assert len(found) == 1 and broken in found[0], found
+
+
+@pytest.mark.parametrize(("source", "found"), [
+    ("data = open('x').read()\n", "edge/engine.py:1: fedper.edge.engine calls open()"),
+    ("def f(path):\n    path.write_bytes(b'')\n", "edge/engine.py:2: fedper.edge.engine calls write_bytes()"),
+    ("state = 'open'\nwords = state.split()\n", None),
+])
+def test_file_calls_are_found_in_the_agents_engine_alone(tmp_path: Path, source: str, found: str | None) -> None:
+    (tmp_path / "pyproject.toml").write_text(PYPROJECT)
+    for name in ("engine.py", "agent.py"):
+        (tmp_path / "edge").mkdir(exist_ok=True)
+        (tmp_path / "edge" / name).write_text(source)
+    assert file_calls(tmp_path) == ([found] if found else [])
 
 
 def test_checker_finds_a_broken_rule_in_a_copy_of_the_tree(tmp_path: Path) -> None:

@@ -24,8 +24,8 @@ from typer.testing import CliRunner
 
 from fedper.artifacts import INFERENCE_FILE
 from fedper.data import load_digits
+from fedper.edge.agent import Agent, AgentConfig
 from fedper.edge.backend import EVAL_BATCH, open_backend
-from fedper.edge.engine import Agent, AgentConfig
 from fedper.emulate.data import FleetData
 from fedper.emulate.fleet import Fleet, FleetConfig
 from fedper.export.cli import app as export_app

@@ -357,7 +357,7 @@ def test_adaptive_clipping_moves_the_clip_norm_toward_the_quantile_and_splits_th
 def test_real_agents_train_under_dp_and_epsilon_is_reported_each_round(tmp_path: Path, tiny_artifacts: Path,
                                                                       mosquitto) -> None:
     from fedper.data import load_digits
-    from fedper.edge.engine import Agent, AgentConfig
+    from fedper.edge.agent import Agent, AgentConfig
 
     rounds, state = 2, tmp_path / "coordinator"
     coordinator = subprocess.Popen(

@@ -20,8 +20,8 @@ from PIL import Image
 
 from fedper.batches import epoch_batches
 from fedper.data import DataError, load_digits, to_float_nchw
+from fedper.edge.agent import Agent, AgentConfig, load_local_data
 from fedper.edge.backend import batch_order, check_artifacts, open_backend
-from fedper.edge.engine import Agent, AgentConfig, load_local_data
 from fedper.edge.state import DeviceState, Saved, StateError
 from fedper.manifest import ManifestError
 

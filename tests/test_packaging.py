@@ -25,6 +25,7 @@ def test_wheel_puts_every_module_under_fedper(tmp_path: Path) -> None:
     for package in ("models", "export", "edge", "coordinator", "emulate", "data", "cli"):
         assert f"fedper/{package}/__init__.py" in names
     assert not any(n.startswith("tests/") for n in names)
+    assert "fedper/emulate/traces/synthetic.json" in names  # package data: the emulator's default device trace
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from fedper.coordinator.config import Config
@@ -21,10 +23,13 @@ def strategy_for(config: Config, manifest: Manifest, store: Store, topics: Topic
     if config.secure.enabled:
         _check_secure(manifest)
         from fedper.coordinator.strategies.secure import SecureSum  # the privacy extra's cryptography
+        from fedper.secagg import load_root
 
+        assert config.secure.identity_root is not None  # SecureAggregation requires it
         return SecureSum(manifest, store, topics, fleet, clip_norm=float(config.aggregation.clip_norm or 0),
                          stage_timeout=config.secure.stage_timeout, degree=config.secure.degree,
-                         min_clients=config.rounds.min_clients, budget=budget)
+                         min_clients=config.rounds.min_clients, budget=budget,
+                         root=load_root(Path(config.secure.identity_root)), min_group=config.secure.min_group)
     if budget is not None:
         return CentralDP(manifest, store, topics, fleet, budget)
     return Mean(manifest, store, topics, fleet, config.aggregation.aggregator, config.aggregation.clip_norm)

@@ -1,9 +1,14 @@
 """The secure sum (`--secure-aggregation`): the open round runs a SecAgg+ session, and the coordinator
-learns only the n_j-weighted sum of the contributors' clipped deltas (with a noise multiplier the devices
+learns only n_j-weighted sums of the contributors' clipped deltas (with a noise multiplier the devices
 add the noise: distributed DP, accounted like the central kind).
 
-A session is not checkpointed: after a restart or a failed session the round opens a new one and the
-devices take part again. The stages and their messages: coordinator/secure_round.py, docs/privacy.md.
+A session is not checkpointed: after a restart, or a session that fails before any share is revealed, the
+round opens a new one and the devices take part again. A device whose input spoils its group's sum (beyond
+the clip norm, or secrets that do not check out) is narrowed down over the next rounds: the contributors of
+the failed group are suspects, the next session splits them in halves (plan_groups), each summed apart with
+others up to --secagg-min-group; the suspects become those of a half that fails again, and a lone suspect is
+excluded from secure aggregation for the rest of the run (checkpointed). Meanwhile every group that passes
+is released, so training goes on. The stages and their messages: coordinator/secure_round.py, docs/privacy.md.
 """
 
 from __future__ import annotations
@@ -13,14 +18,32 @@ from collections.abc import Mapping, Set
 from typing import Any
 
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from fedper.coordinator.secure_round import DistributedNoise, SecureRound, SecureSettings, flat_length, new_session
+from fedper.coordinator.secure_round import (
+    DistributedNoise,
+    GroupOutcome,
+    SecureRound,
+    SecureSettings,
+    flat_length,
+    new_session,
+)
 from fedper.coordinator.store import Folded, RoundRecord, Store
 from fedper.coordinator.strategies.base import Fleet, Release, Strategy
 from fedper.coordinator.strategies.budget import PrivacyBudget
 from fedper.manifest import Manifest
 from fedper.payload import max_blob_size
-from fedper.wire import DEVICE_KINDS, SECAGG_CODEC, SECAGG_UP, Outgoing, Topics, UpdateMeta, WireError, decode_secagg
+from fedper.wire import (
+    DEVICE_KINDS,
+    SECAGG_CODEC,
+    SECAGG_UP,
+    Outgoing,
+    SecAggAdvertise,
+    Topics,
+    UpdateMeta,
+    WireError,
+    decode_secagg,
+)
 
 log = logging.getLogger("fedper.coordinator")
 
@@ -33,21 +56,25 @@ class SecureSum(Strategy):
     quorum = 2  # a sum of one device is that device's update
 
     def __init__(self, manifest: Manifest, store: Store, topics: Topics, fleet: Fleet, *, clip_norm: float,
-                 stage_timeout: float, degree: int | None, min_clients: int, budget: PrivacyBudget | None) -> None:
+                 stage_timeout: float, degree: int | None, min_clients: int, budget: PrivacyBudget | None,
+                 root: Ed25519PublicKey, min_group: int = 4) -> None:
         super().__init__(manifest, store, topics, fleet)
         self.clip_norm, self.stage_timeout, self.degree = clip_norm, stage_timeout, degree
-        self.min_clients = min_clients
+        self.min_clients, self.root, self.min_group = min_clients, root, min_group
         self.budget = budget
         self.private = budget is not None
         self.tensors = "shared" if budget is None else "trainable"  # DP: private_tensor_names, as DPFedAvg
         self.session: SecureRound | None = None
         self.failures = 0  # sessions that could not finish in this process (monitoring; not checkpointed)
+        self.suspects: set[str] = set()  # contributors of a group whose sum failed last round
+        self.excluded: set[str] = set()  # found to spoil the sum: no longer admitted (checkpointed)
 
     def open(self, number: int, model: Mapping[str, np.ndarray], finished: bool) -> None:
         """The round's (new) session; devices learn it from RoundInfo."""
         super().open(number, model, finished)
         self.session = None if finished else SecureRound(number, new_session(), SecureSettings(
-            self.clip_norm, flat_length(self.manifest, self.tensors), self.stage_timeout, self.degree, self.tensors))
+            self.clip_norm, flat_length(self.manifest, self.tensors), self.stage_timeout, self.topics.fleet,
+            self.root, self.degree, self.tensors, self.min_group))
 
     def _open_session(self) -> SecureRound:
         if self.session is None:
@@ -65,12 +92,16 @@ class SecureSum(Strategy):
         return False, self._progress(now)
 
     def on_message(self, device: str, kind: str, payload: bytes, now: float) -> list[Outgoing]:
-        self._open_session().on_message(device, decode_secagg(payload, SECAGG_UP))
+        message = decode_secagg(payload, SECAGG_UP)
+        if device in self.excluded and isinstance(message, SecAggAdvertise):
+            raise WireError("secagg", f"{device} is excluded from secure aggregation in this run: its input spoiled "
+                            "the sum of every group it was in")
+        self._open_session().on_message(device, message)
         return self._progress(now)
 
     def answered(self, folded: Set[str]) -> Set[str]:
-        """Stage 1: the registered devices that advertised keys."""
-        return self._open_session().adverts.keys() & self.fleet.registered.keys()
+        """Stage 1: the registered devices that advertised keys, and the excluded ones (never to be waited for)."""
+        return (self._open_session().adverts.keys() | self.excluded) & self.fleet.registered.keys()
 
     def close(self, now: float) -> list[Outgoing]:
         """Stage 1 -> 2: the advertisers become the roster (under DP each one's share of the noise is set: the
@@ -79,7 +110,7 @@ class SecureSum(Strategy):
         noise = None if self.budget is None else DistributedNoise(self.budget.noise_multiplier,
                                                                   float(self.fleet.round_size()))
         registered = {d: r.n_samples for d, r in self.fleet.registered.items()}
-        out = session.close_adverts(registered, now, self.topics, noise)
+        out = session.close_adverts(registered, now, self.topics, noise, self.suspects)
         self.collecting = False
         self._settle()
         return out
@@ -107,19 +138,41 @@ class SecureSum(Strategy):
         self.failures += self.failed
 
     def release(self, closed: RoundRecord) -> Release:
-        """base + the n_j-weighted mean of the contributors' clipped deltas; the base when the sum fails its check."""
+        """base + the n_j-weighted mean of the released groups' clipped deltas (the base when none is); the
+        suspects narrowed by the groups that failed."""
         session = self._open_session()
+        outcomes = session.outcomes()
+        for outcome in outcomes:
+            if not outcome.released:
+                log.warning("round %d: the secure sum of %d device(s) is not released: %s", closed.number,
+                            len(outcome.devices), outcome.why)
+        self._narrow(closed.number, outcomes)
         contributors = {d: Folded(n, metrics) for d, (n, metrics) in session.contributions().items()}
-        refused = session.check_sum()
-        if refused:
-            log.warning("round %d: the secure sum is not released, the model stays as it was: %s", closed.number,
-                        refused)
         return Release(session.model(self.manifest, self.model), contributors)
+
+    def _narrow(self, number: int, outcomes: list[GroupOutcome]) -> None:
+        """Suspects: the contributors of the groups that showed a lie, within the last suspects when they are
+        among them; none when every group passed. A lone suspect is excluded."""
+        failed = {d for outcome in outcomes if outcome.suspect for d in outcome.devices}
+        self.suspects = (failed & self.suspects) or failed
+        if len(self.suspects) == 1:
+            log.warning("round %d: %s is excluded from secure aggregation: its input spoiled the sum of each group "
+                        "it was narrowed down to", number, *self.suspects)
+            self.excluded |= self.suspects
+            self.suspects = set()
+        elif self.suspects:
+            log.warning("round %d: %d suspect(s) of spoiling the sum; the next session sums them in halves", number,
+                        len(self.suspects))
 
     def record(self, closed: RoundRecord, last: bool) -> dict[str, Any]:
         session = self._open_session()
+        groups = [{"devices": len(o.devices), "released": o.released, "why": o.why or None}
+                  for o in session.outcomes()]
+        refused = "; ".join(o.why for o in session.outcomes() if not o.released)
         record: dict[str, Any] = {"secagg": {"session": session.session, "devices": len(session.roster),
-                                             "sum_refused": session.refused_sum or None}}
+                                             "groups": groups, "sum_refused": refused or None,
+                                             "reported": list(session.reported), "suspects": len(self.suspects),
+                                             "excluded": sorted(self.excluded)}}
         if self.budget is not None:  # distributed noise: what the contributors' shares of it add up to
             z, m = session.noise_multiplier(), float(session.expected_weight or 1)
             release = {"clip_norm": session.clip, "noise_std": z * session.clip / m, "expected": m,
@@ -142,7 +195,8 @@ class SecureSum(Strategy):
         if self.session is not None:
             fields["secagg"] = {"session": self.session.session, "stage": self.session.stage,
                                 "devices": len(self.session.roster) or len(self.session.adverts),
-                                "failed_sessions": self.failures}
+                                "failed_sessions": self.failures, "suspects": len(self.suspects),
+                                "excluded": sorted(self.excluded)}
         return fields
 
     @property
@@ -150,12 +204,15 @@ class SecureSum(Strategy):
         return None if self.budget is None else self.budget.epsilon
 
     def checkpoint(self) -> dict[str, Any]:
-        return {"privacy": None if self.budget is None else {**self.budget.checkpoint(), "partial_meta": None}}
+        return {"privacy": None if self.budget is None else {**self.budget.checkpoint(), "partial_meta": None},
+                "secagg": {"suspects": sorted(self.suspects), "excluded": sorted(self.excluded)}}
 
     def resume(self, part: Mapping[str, Any], round_: RoundRecord, model: Mapping[str, np.ndarray],
                finished: bool) -> None:
-        """The budget; the session starts afresh."""
+        """The budget, the suspects and the excluded; the session starts afresh."""
         super().resume(part, round_, model, finished)
+        narrowing = part.get("secagg") or {}
+        self.suspects, self.excluded = set(narrowing.get("suspects", ())), set(narrowing.get("excluded", ()))
         if self.budget is not None:
             self.budget.resume(part["privacy"])
             self.stopped = self.budget.stopped

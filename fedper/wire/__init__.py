@@ -18,6 +18,7 @@ from fedper.wire.chunks import (
     encode_frame,
 )
 from fedper.wire.messages import (
+    ADVERT_B64,
     KEY_B64,
     MAX_ERROR_TEXT,
     MAX_JSON_INT,
@@ -26,11 +27,13 @@ from fedper.wire.messages import (
     MAX_SECAGG_DEVICES,
     MAX_SECAGG_NEIGHBOURS,
     MAX_TEXT,
-    PAIR_B64,
     SEALED_SHARE_B64,
     SECAGG_CODEC,
     SECAGG_DOWN,
     SECAGG_UP,
+    SHARE_B64,
+    SIGNATURE_B64,
+    SIGNER_B64,
     Entries,
     ErrorMessage,
     Int,
@@ -40,8 +43,12 @@ from fedper.wire.messages import (
     Required,
     RoundInfo,
     SecAggAdvertise,
+    SecAggMask,
     SecAggNeighbours,
+    SecAggReceived,
     SecAggShares,
+    SecAggSignature,
+    SecAggSurvivors,
     SecAggUnmask,
     SecAggUnmaskRequest,
     Text,
@@ -62,11 +69,12 @@ from fedper.wire.topics import (
 )
 
 __all__ = [
-    "DEFAULT_CHUNK_SIZE", "DEVICE_KINDS", "ERROR_CODES", "KEY_B64", "MAX_CHUNK_SIZE", "MAX_ERROR_TEXT",
+    "ADVERT_B64", "DEFAULT_CHUNK_SIZE", "DEVICE_KINDS", "ERROR_CODES", "KEY_B64", "MAX_CHUNK_SIZE", "MAX_ERROR_TEXT",
     "MAX_HEADER_SIZE", "MAX_JSON_INT", "MAX_METRICS", "MAX_METRIC_VALUE", "MAX_SECAGG_DEVICES",
-    "MAX_SECAGG_NEIGHBOURS", "MAX_TEXT", "NAME_RE", "PAIR_B64", "PREFIX", "SEALED_SHARE_B64", "SECAGG_CODEC",
-    "SECAGG_DOWN", "SECAGG_UP", "VERSION", "Blob", "Chunk", "Entries", "ErrorMessage", "Int", "Invitation", "Message",
-    "Outgoing", "Reassembler", "Register", "Required", "RoundInfo", "SecAggAdvertise", "SecAggNeighbours",
-    "SecAggShares", "SecAggUnmask", "SecAggUnmaskRequest", "Text", "Topics", "UpdateMeta", "WireError", "check_name",
+    "MAX_SECAGG_NEIGHBOURS", "MAX_TEXT", "NAME_RE", "PREFIX", "SEALED_SHARE_B64", "SECAGG_CODEC", "SECAGG_DOWN",
+    "SECAGG_UP", "SHARE_B64", "SIGNATURE_B64", "SIGNER_B64", "VERSION", "Blob", "Chunk", "Entries", "ErrorMessage",
+    "Int", "Invitation", "Message", "Outgoing", "Reassembler", "Register", "Required", "RoundInfo", "SecAggAdvertise",
+    "SecAggMask", "SecAggNeighbours", "SecAggReceived", "SecAggShares", "SecAggSignature", "SecAggSurvivors",
+    "SecAggUnmask", "SecAggUnmaskRequest", "Text", "Topics", "UpdateMeta", "WireError", "check_name",
     "chunk", "chunk_count", "decode_chunk", "decode_frame", "decode_secagg", "decode_update_meta", "encode_frame",
 ]

@@ -139,6 +139,8 @@ def _check(hint: Any, where: str) -> Check:
         item = get_args(args[0])
         if get_origin(args[0]) is Annotated and item[0] is int and isinstance(item[1], Int):
             return lambda name, value: _int_list(name, value, constraint, item[1])
+        if get_origin(args[0]) is Annotated and item[0] is str and isinstance(item[1], Text):
+            return lambda name, value: _text_list(name, value, constraint, item[1])
     raise TypeError(f"{where}: no wire type for {hint!r} with {constraint!r}")
 
 
@@ -247,6 +249,12 @@ def _int_list(name: str, value: Any, entries: Entries, bounds: Int) -> list[int]
     return list(value)
 
 
+def _text_list(name: str, value: Any, entries: Entries, text: Text) -> list[str]:
+    if not isinstance(value, list) or len(value) > entries.max_items:
+        raise WireError("bad_message", f"{name} must be a list of at most {entries.max_items} strings")
+    return [_text(f"{name}[{i}]", v, text, None) for i, v in enumerate(value)]
+
+
 Positive = Annotated[int, Int(1)]
 
 
@@ -319,40 +327,53 @@ class ErrorMessage(Message):
 # ---------------------------------------------------------------- secure aggregation (docs/protocol.md, 6.9)
 
 SECAGG_CODEC = "secagg"  # UpdateMeta.codec of a masked input: a safetensors blob of one U32 tensor
-MAX_SECAGG_DEVICES = 100_000  # devices in one secure-aggregation session (indices 0..n-1)
-MAX_SECAGG_NEIGHBOURS = 1_000  # k: entries of a stage message's index -> base64 map
-# Lengths in base64 of the kernel's byte strings (fedper.secagg's KEY_BYTES, SHARE_BYTES, SEALED_SHARE_BYTES;
-# tests/test_secagg.py checks them): one X25519 public key; a pair of them, or one Shamir share; a sealed share.
+MAX_SECAGG_DEVICES = 10_000  # devices in one secure-aggregation session (indices 0..n-1): the consistency check
+# sends each device the signatures of more than half of them
+MAX_SECAGG_NEIGHBOURS = 1_000  # k: entries of a stage message's index -> base64 map of neighbours
+# Lengths in base64 of the kernel's byte strings (fedper.secagg's KEY_BYTES, SHARE_BYTES, SEALED_SHARE_BYTES,
+# SIGNATURE_BYTES, ADVERT_BYTES, SIGNER_BYTES; tests/test_secagg.py checks them): an X25519 or Ed25519 public key;
+# a Shamir share; a sealed share; an Ed25519 signature; a neighbour's advert; a signer of the survivor set.
 KEY_B64 = 44
-PAIR_B64 = 88
+SHARE_B64 = 88
 SEALED_SHARE_B64 = 224
+SIGNATURE_B64 = 88
+ADVERT_B64 = 300
+SIGNER_B64 = 216
 
 Key = Annotated[str, Text(KEY_B64, _BASE64)]
+Signature = Annotated[str, Text(SIGNATURE_B64, _BASE64)]
 Index = Annotated[int, Int(0, MAX_SECAGG_DEVICES - 1)]
-Indices = Annotated[list[Index], Entries(MAX_SECAGG_NEIGHBOURS)]
-Pairs = Annotated[dict[str, str], Entries(MAX_SECAGG_NEIGHBOURS, PAIR_B64)]  # index -> base64, k entries at most
+Indices = Annotated[list[Index], Entries(MAX_SECAGG_NEIGHBOURS)]  # some of a device's neighbours
+Survivors = Annotated[list[Index], Entries(MAX_SECAGG_DEVICES)]  # some of the session's devices
+Shares = Annotated[dict[str, str], Entries(MAX_SECAGG_NEIGHBOURS, SHARE_B64)]  # index -> base64, k entries at most
 
 
 @dataclass(frozen=True)
 class SecAggAdvertise(Message):
-    """device -> coordinator on .../secagg/<device>: stage 1, the device's two public keys for the session."""
+    """device -> coordinator on .../secagg/<device>: stage 1, the device's two public keys for the session, signed
+    by its identity key (Ed25519), with that key and the fleet root's certificate of it (docs/privacy.md)."""
 
     round: Positive
     session: Positive
     c_public: Key
     s_public: Key
+    identity: Key
+    certificate: Signature
+    signature: Signature
     stage: Annotated[Literal["advertise"], Required()] = "advertise"
 
 
 @dataclass(frozen=True)
 class SecAggNeighbours(Message):
-    """coordinator -> device on .../relay/<device>: the session's setup (the kernel's SecAggConfig), the
-    device's index, the weight scale, and its advertising neighbours' keys (index -> base64(c || s)). With
-    distributed DP: the device's noise, its uniform weight and the trainable tensors only (docs/privacy.md)."""
+    """coordinator -> device on .../relay/<device>: the session's setup (the kernel's SecAggConfig: the roster of
+    device names by index, the groups summed apart), the device's index, the weight scale, and its advertising
+    neighbours' signed adverts (index -> base64). With distributed DP: the device's noise, its uniform weight and
+    the trainable tensors only (docs/privacy.md)."""
 
     round: Positive
     session: Positive
-    devices: Annotated[int, Int(2, MAX_SECAGG_DEVICES)]
+    roster: Annotated[list[Annotated[str, Text(64, NAME_RE)]], Entries(MAX_SECAGG_DEVICES)]
+    groups: Annotated[list[Annotated[int, Int(2, MAX_SECAGG_DEVICES)]], Entries(MAX_SECAGG_DEVICES // 2)]
     index: Index
     length: Positive
     clip: float
@@ -361,7 +382,7 @@ class SecAggNeighbours(Message):
     value_bits: Annotated[int, Int(1, 32)]
     graph_seed: int
     weight_scale: Positive  # a device sends (n_j / weight_scale) * its clipped delta
-    adverts: Pairs
+    adverts: Annotated[dict[str, str], Entries(MAX_SECAGG_NEIGHBOURS, ADVERT_B64)]
     stage: Annotated[Literal["neighbours"], Required()] = "neighbours"
     clip_norm: float | None = None  # the L2 bound of a delta when it is below `clip` (the quantization range)
     noise_std: float = 0.0  # distributed DP: each device adds N(0, noise_std^2) to each value before quantizing
@@ -382,14 +403,57 @@ class SecAggShares(Message):
 
 
 @dataclass(frozen=True)
-class SecAggUnmaskRequest(Message):
-    """coordinator -> device on .../relay/<device>: stage 4, whose self-mask shares (survivors) and whose key
-    shares (dropped after stage 2) to reveal."""
+class SecAggReceived(Message):
+    """device -> coordinator on .../secagg/<device>: the relayed shares are in; `skipped`: the senders whose share
+    did not authenticate (the device masks with none of them)."""
 
     round: Positive
     session: Positive
-    survivors: Indices
-    dropped: Indices
+    skipped: Indices
+    stage: Annotated[Literal["received"], Required()] = "received"
+
+
+@dataclass(frozen=True)
+class SecAggMask(Message):
+    """coordinator -> device on .../relay/<device>: send the masked input, masking with none of `excluded` (its
+    neighbours that another device reported)."""
+
+    round: Positive
+    session: Positive
+    excluded: Indices
+    stage: Annotated[Literal["mask"], Required()] = "mask"
+
+
+@dataclass(frozen=True)
+class SecAggSurvivors(Message):
+    """coordinator -> device on .../relay/<device>: the consistency check, the devices whose masked inputs are
+    summed (U3 in Bonawitz et al.), for the device to sign."""
+
+    round: Positive
+    session: Positive
+    survivors: Survivors
+    stage: Annotated[Literal["consistency"], Required()] = "consistency"
+
+
+@dataclass(frozen=True)
+class SecAggSignature(Message):
+    """device -> coordinator on .../secagg/<device>: its identity's signature of the setup and the survivors."""
+
+    round: Positive
+    session: Positive
+    signature: Signature
+    stage: Annotated[Literal["consistency"], Required()] = "consistency"
+
+
+@dataclass(frozen=True)
+class SecAggUnmaskRequest(Message):
+    """coordinator -> device on .../relay/<device>: stage 4, with the signatures of more than half of the session on
+    the survivors (index -> base64(identity || certificate || signature)); the device reveals, for each neighbour it
+    masked with, the self-mask share of a survivor or the key share of one that is not."""
+
+    round: Positive
+    session: Positive
+    signatures: Annotated[dict[str, str], Entries(MAX_SECAGG_DEVICES, SIGNER_B64)]
     stage: Annotated[Literal["unmask"], Required()] = "unmask"
 
 
@@ -399,14 +463,16 @@ class SecAggUnmask(Message):
 
     round: Positive
     session: Positive
-    seed_shares: Pairs
-    key_shares: Pairs
+    seed_shares: Shares
+    key_shares: Shares
     stage: Annotated[Literal["unmask"], Required()] = "unmask"
 
 
-SECAGG_UP: dict[str, type[Message]] = {"advertise": SecAggAdvertise, "shares": SecAggShares, "unmask": SecAggUnmask}
-SECAGG_DOWN: dict[str, type[Message]] = {"neighbours": SecAggNeighbours, "shares": SecAggShares,
-                                         "unmask": SecAggUnmaskRequest}
+SECAGG_UP: dict[str, type[Message]] = {"advertise": SecAggAdvertise, "shares": SecAggShares,
+                                       "received": SecAggReceived, "consistency": SecAggSignature,
+                                       "unmask": SecAggUnmask}
+SECAGG_DOWN: dict[str, type[Message]] = {"neighbours": SecAggNeighbours, "shares": SecAggShares, "mask": SecAggMask,
+                                         "consistency": SecAggSurvivors, "unmask": SecAggUnmaskRequest}
 
 
 def decode_secagg(payload: bytes, kinds: Mapping[str, type[M]]) -> M:

@@ -10,6 +10,7 @@ decoder against them; tests/test_wire_vectors.py checks ours, and that this scri
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import sys
@@ -23,6 +24,9 @@ from fedper.wire import (
     ErrorMessage,
     Register,
     RoundInfo,
+    SecAggMask,
+    SecAggReceived,
+    SecAggShares,
     Topics,
     UpdateMeta,
     chunk,
@@ -103,7 +107,78 @@ def vectors() -> dict[str, tuple[bytes, dict]]:
                           {"kind": "Register", "error": "bad_message", "why": "unsupported protocol version"})
     empty = chunk(b"", CHUNK_SIZE, "empty")[0]
     out["empty-blob.0"] = (empty, {"kind": "chunk", "header": decode_frame(empty)[0], "data_hex": ""})
+    out.update(secagg_vectors(topics))
     return out
+
+
+def _fixed(label: str, size: int = 32) -> bytes:
+    """Deterministic bytes for a vector's keys and payloads (SHA-256 of the label, repeated)."""
+    return (hashlib.sha256(label.encode()).digest() * (size // 32 + 1))[:size]
+
+
+def secagg_vectors(topics: Topics) -> dict[str, tuple[bytes, dict]]:
+    """Secure aggregation's stage messages (docs/protocol.md, 6.9), one of each kind and direction. Keys come from
+    fixed seeds, so the advert's certificate and signature and the survivor signature are real: `root` is the
+    fleet root's public key (base64) they verify with, `setup_digest` the digest the survivor signature covers."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+    from fedper.secagg import (
+        Certificate,
+        DeviceKeys,
+        Identity,
+        NeighbourKeys,
+        SecAggConfig,
+        SecAggWire,
+        Signer,
+        SurvivorList,
+        SurvivorSignature,
+        UnmaskRequest,
+        UnmaskResponse,
+        VectorSpec,
+        certificate_message,
+        survivors_message,
+    )
+
+    def b64(data: bytes) -> str:
+        return base64.b64encode(data).decode()
+
+    root = Ed25519PrivateKey.from_private_bytes(_fixed("fleet root"))
+    roster = (DEVICE, "phone-2", "phone-3")
+    identities = {}
+    for name in roster:
+        key = Ed25519PrivateKey.from_private_bytes(_fixed(f"identity {name}"))
+        public = key.public_key().public_bytes_raw()
+        certificate = Certificate(FLEET, name, public, root.sign(certificate_message(FLEET, name, public)))
+        identities[name] = Identity(key, certificate, root.public_key())
+    keys = {name: DeviceKeys(X25519PrivateKey.from_private_bytes(_fixed(f"c {name}")),
+                             X25519PrivateKey.from_private_bytes(_fixed(f"s {name}"))) for name in roster}
+    session = 4242
+    wire = SecAggWire(round=1, session=session)
+    config = SecAggConfig.create(session, roster, length=5, clip=0.5, graph_seed=7)
+    adverts = {name: keys[name].advert(identities[name], session, i) for i, name in enumerate(roster)}
+    sealed = _fixed("sealed share", 168)
+    signature = identities[DEVICE].sign(survivors_message(config.digest, (0, 1, 2)))
+    signers = tuple(Signer(i, adverts[name].identity, adverts[name].certificate,
+                           identities[name].sign(survivors_message(config.digest, (0, 1, 2))))
+                    for i, name in enumerate(roster[:2]))
+    extra = {"root": b64(root.public_key().public_bytes_raw()), "setup_digest": config.digest.hex()}
+    messages = {
+        "secagg-advertise": (topics.secagg(DEVICE), wire.advertise(adverts[DEVICE])),
+        "secagg-neighbours": (topics.relay(DEVICE), wire.neighbours(config, NeighbourKeys(
+            session, 0, (adverts["phone-2"], adverts["phone-3"])), VectorSpec(weight_scale=120))),
+        "secagg-shares-up": (topics.secagg(DEVICE), SecAggShares(1, session, {"1": b64(sealed), "2": b64(sealed)})),
+        "secagg-received": (topics.secagg(DEVICE), SecAggReceived(1, session, [2])),
+        "secagg-mask": (topics.relay(DEVICE), SecAggMask(1, session, [])),
+        "secagg-consistency-down": (topics.relay(DEVICE), wire.survivors(SurvivorList(session, 0, (0, 1, 2)))),
+        "secagg-consistency-up": (topics.secagg(DEVICE), wire.signature(SurvivorSignature(session, 0, signature))),
+        "secagg-unmask-down": (topics.relay(DEVICE), wire.unmask_request(UnmaskRequest(session, 0, signers))),
+        "secagg-unmask-up": (topics.secagg(DEVICE), wire.unmask(UnmaskResponse(
+            session, 0, {1: _fixed("seed share of 1", 66)}, {2: _fixed("key share of 2", 66)}))),
+    }
+    return {name: (msg.encode(), {"topic": topic, "kind": type(msg).__name__, "message": json.loads(msg.encode()),
+                                  **extra})
+            for name, (topic, msg) in messages.items()}
 
 
 def write(directory: Path) -> None:
