@@ -1,5 +1,5 @@
 // The web agent's protocol logic (docs/protocol.md, v1), the same state machine as fedper-agent's
-// (edge/engine.py): `connected()` and `handle(topic, payload)` return the messages to publish, so tests drive it
+// (edge/engine.py, its jobs in edge/agent.py): `connected()` and `handle(topic, payload)` return the messages to publish, so tests drive it
 // with hand-built frames, and the MQTT client around it (transport.js) stays thin.
 //
 // Per round k (RoundInfo `open` for a round this device has not answered, and with selection once invited):

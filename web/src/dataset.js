@@ -1,4 +1,4 @@
-// The page's local data, as edge/engine.py load_local_data makes it from an image folder: images in the order a
+// The page's local data, as edge/agent.py load_local_data makes it from an image folder: images in the order a
 // folder tree is read (class name, then file name), labels mapped onto the manifest's classes, a train/test split
 // chosen once (stratified, seeded: fedper.data.split_train_test) and kept with a fingerprint of the images, and
 // the float32 input the model takes. Same images and seed as a fedper-agent: the same samples in the same order.

@@ -66,7 +66,7 @@ export class Manifest {
 
   spec(name) { return this.tensors.find((t) => t.name === name); }
 
-  /** The label names; "0".."C-1" when the export named none (edge/engine.py manifest_classes). */
+  /** The label names; "0".."C-1" when the export named none (edge/agent.py manifest_classes). */
   get classes() {
     const c = this.model.classes ?? [];
     return c.length ? c : Array.from({ length: this.model.num_classes }, (_, i) => String(i));

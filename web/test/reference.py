@@ -1,5 +1,5 @@
 """The Python agent's side of web/test/parity.test.mjs: for each case, a real export and one round of fedper-agent's
-own code (edge/engine.py Agent.train_round on the ORT backend) from the export's base, on the digits the page gets.
+own code (edge/agent.py Agent.train_round on the ORT backend) from the export's base, on the digits the page gets.
 
 The export's weights are first trained for a few hundred steps on other digits (PyTorch): at its random
 initialization this narrow network is so ill-conditioned that a rounding-level change of the start (1e-7) moves
@@ -28,7 +28,7 @@ from safetensors.numpy import save_file
 
 from fedper.algorithms import get_algorithm
 from fedper.data import load_digits, to_float_nchw
-from fedper.edge.engine import Agent, AgentConfig
+from fedper.edge.agent import Agent, AgentConfig
 from fedper.export.exporter import export_artifacts
 from fedper.models import IMAGENET_MEAN, IMAGENET_STD, build_model
 from fedper.payload import decode_shared
