@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test lint bench mosquitto websocket prometheus clean
+.PHONY: install demo test lint bench mosquitto websocket prometheus chromium web clean
 
 install: $(STAMP)
 
@@ -45,12 +45,30 @@ prometheus:
 			>/dev/null) || echo "could not install prometheus: its test will be skipped"; \
 	else echo "prometheus is missing and we are not root: the Prometheus test will be skipped"; fi
 
+# The web agent (web/): npm ci installs its exactly pinned packages (patch-package patches onnxruntime-web at install),
+# npm run build writes web/dist/, the page fedper.web.web_root() names. Without npm its node tests are skipped.
+web: web/dist/index.html
+
+web/dist/index.html: web/package.json web/package-lock.json web/build.mjs $(wildcard web/src/* web/patches/*)
+	@if command -v npm >/dev/null; then npm --prefix web ci --no-audit --no-fund --loglevel=error && npm --prefix web run build; \
+	else echo "npm is missing: the web agent is not built and its tests are skipped"; fi
+
+# The web agent's browser test drives Debian's chromium with puppeteer-core; installed like mosquitto.
+chromium:
+	@if command -v chromium >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing chromium (Debian package) for the web agent's browser test"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium \
+			>/dev/null) || echo "could not install chromium: the browser test will be skipped"; \
+	else echo "chromium is missing and we are not root: the browser test will be skipped"; fi
+
 demo: install
 	$(BIN)/fedper demo
 
-test: install mosquitto websocket prometheus
+test: install mosquitto websocket prometheus chromium web
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
+	@if [ -f web/dist/index.html ]; then node --test web/test/*.test.mjs; else echo "web agent not built: node tests skipped"; fi
 
 lint: install
 	$(BIN)/ruff check .
@@ -59,4 +77,4 @@ bench: install
 	$(BIN)/python benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache web/node_modules web/dist

@@ -18,7 +18,7 @@ from pathlib import Path
 from common import machine
 
 MODULES = ("device_training", "device_contention", "depthwise_graph", "coordinator", "wire", "round_latency",
-           "emulator", "export_table", "secagg", "secagg_hostile", "fleet_scale", "websocket_path")
+           "emulator", "export_table", "secagg", "secagg_hostile", "fleet_scale", "websocket_path", "web")
 
 
 def main() -> None:

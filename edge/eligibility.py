@@ -1,6 +1,6 @@
 """When a device may take part in a round: `fedper-agent --only-when COND` (repeatable).
 
-A phone trains only on power, idle and on an unmetered network (docs/phone-app.md); a Linux device
+A phone trains only on power, idle and on an unmetered network (docs/devices.md); a Linux device
 says the same with these conditions, checked in the order given, before the agent accepts a round:
 
 - `power`: on external power: a Mains or USB power supply reports `online` 1, or a system battery

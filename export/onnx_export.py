@@ -21,12 +21,24 @@ import onnx
 import torch
 from onnx import numpy_helper
 
-from fedper.artifacts import EVAL_MODEL, INPUT_NAME, LOGITS_NAME, MAX_IR_VERSION
+from fedper.artifacts import (
+    EVAL_MODEL,
+    INPUT_NAME,
+    LOGITS_NAME,
+    MAX_IR_VERSION,
+    OPTIMIZER_MODEL,
+    TRAINING_MODEL,
+    WEB_LR_INPUT,
+    WEB_TRAINING_MODEL,
+)
 from fedper.export.graph import rewrite_fast
 from fedper.manifest import Manifest
 from fedper.models import BlockNet
 
 OPSET = 17
+# onnxruntime-training's learning rate until something sets it (its C++ optimizer state's default). The web build
+# cannot set it: the web training graph divides its learning_rate input by this, and the optimizer multiplies it back.
+RUNTIME_LEARNING_RATE = 0.001
 
 
 class ExportError(ValueError):
@@ -154,6 +166,51 @@ def write_artifact_set(training_proto: onnx.ModelProto, manifest: Manifest, kind
     eval_proto = onnx.load(eval_path)
     serving_batchnorm(eval_proto, manifest.bn)
     onnx.save(eval_proto, eval_path)
+    optimizer = onnx.load(folder / OPTIMIZER_MODEL)
+    scalar_step_flag(optimizer)
+    onnx.save(optimizer, folder / OPTIMIZER_MODEL)
+    onnx.save(web_training_graph(onnx.load(folder / TRAINING_MODEL)), folder / WEB_TRAINING_MODEL)
+
+
+def scalar_step_flag(optimizer: onnx.ModelProto) -> None:
+    """The optimizer graph's one output, the SGD kernel's "update completed" flag, made a true scalar.
+
+    generate_artifacts declares it shape [1] while the kernel's shape inference says scalar: onnxruntime-web refuses
+    to load the graph ("inferred=0 declared=1"), Python logs "Error merging shape info" once per set. Declaring it a
+    scalar alone trades that for a warning at every step (the kernel returns one element of shape [1]), so the flag
+    goes through a Reshape to shape []: inferred, declared and returned shapes agree everywhere, and the optimizer
+    only reads the flag as one boolean (scalar or [1] alike)."""
+    graph = optimizer.graph
+    (output,) = graph.output
+    flag, shape = f"{output.name}/kernel", f"{output.name}/scalar_shape"
+    for node in graph.node:
+        node.output[:] = [flag if name == output.name else name for name in node.output]
+    empty = onnx.helper.make_tensor(f"{shape}/value", onnx.TensorProto.INT64, [0], [])
+    graph.node.extend([
+        onnx.helper.make_node("Constant", [], [shape], value=empty),
+        onnx.helper.make_node("Reshape", [flag, shape], [output.name]),
+    ])
+    del output.type.tensor_type.shape.dim[:]
+
+
+def web_training_graph(training: onnx.ModelProto) -> onnx.ModelProto:
+    """The training graph with the learning rate as a scalar float input, for onnxruntime-web (no setter there).
+
+    The gradient graph starts from the loss's gradient, a constant 1.0 (`<loss>_grad`); here it is
+    learning_rate / RUNTIME_LEARNING_RATE instead, so every gradient is scaled by it and the optimizer's fixed
+    rate brings the step back to learning_rate x gradient. Any rate, per step, per set (FedBABU's decay too)."""
+    proto = copy.deepcopy(training)
+    graph = proto.graph
+    seed = f"{graph.output[0].name}_grad"  # generate_artifacts' loss output comes first, its gradient seed is 1.0
+    found = [i for i, init in enumerate(graph.initializer) if init.name == seed]
+    if len(found) != 1 or numpy_helper.to_array(graph.initializer[found[0]]).tolist() != 1.0:
+        raise ExportError(f"the training graph has no gradient seed {seed!r} of 1.0 to turn into a learning rate")
+    del graph.initializer[found[0]]
+    graph.input.append(onnx.helper.make_tensor_value_info(WEB_LR_INPUT, onnx.TensorProto.FLOAT, []))
+    runtime = onnx.helper.make_tensor(f"{seed}/runtime_rate", onnx.TensorProto.FLOAT, [], [RUNTIME_LEARNING_RATE])
+    graph.node.insert(0, onnx.helper.make_node("Constant", [], [f"{seed}/runtime_rate"], value=runtime))
+    graph.node.insert(1, onnx.helper.make_node("Div", [WEB_LR_INPUT, f"{seed}/runtime_rate"], [seed]))
+    return proto
 
 
 def convert_to_ort(directory: Path) -> None:

@@ -14,7 +14,11 @@ TRAINING_MODEL = "training_model.onnx"
 EVAL_MODEL = "eval_model.onnx"
 OPTIMIZER_MODEL = "optimizer_model.onnx"
 CHECKPOINT_FILE = "checkpoint"  # the set's CheckpointState: every tensor, requires_grad baked in
-SET_FILES = (TRAINING_MODEL, EVAL_MODEL, OPTIMIZER_MODEL, CHECKPOINT_FILE)
+# The web agent's training graph: training_model.onnx with the learning rate as an input (onnxruntime-web has no
+# learning-rate setter; docs/onnxruntime-training.md). Exports made before it have none and still verify.
+WEB_TRAINING_MODEL = "training_model.web.onnx"
+WEB_LR_INPUT = "learning_rate"
+SET_FILES = (TRAINING_MODEL, EVAL_MODEL, OPTIMIZER_MODEL, WEB_TRAINING_MODEL, CHECKPOINT_FILE)
 SET_ORDER = ("all", "head", "base")
 INPUT_NAME = "input"
 LABELS_NAME = "labels"
@@ -34,13 +38,15 @@ def artifact_sets_for(algorithm: str, kp: int) -> dict[str, str]:
     return {kind: f"train/{kind}" for kind in SET_ORDER if kind in trained}
 
 
-def expected_files(artifact_sets: dict[str, str], *, ort_format: bool) -> list[str]:
-    """Every file an export writes besides manifest.json, as paths relative to the export directory."""
+def expected_files(artifact_sets: dict[str, str], *, ort_format: bool, web: bool = True) -> list[str]:
+    """Every file an export writes besides manifest.json, as paths relative to the export directory;
+    `web` False: an export made before the web agent's graphs."""
     onnx_files = [INFERENCE_FILE]
     other = [BASE_FILE]
+    set_files = [name for name in SET_FILES if web or name != WEB_TRAINING_MODEL]
     for folder in artifact_sets.values():
-        onnx_files += [f"{folder}/{name}" for name in SET_FILES if name.endswith(".onnx")]
-        other += [f"{folder}/{name}" for name in SET_FILES if not name.endswith(".onnx")]
+        onnx_files += [f"{folder}/{name}" for name in set_files if name.endswith(".onnx")]
+        other += [f"{folder}/{name}" for name in set_files if not name.endswith(".onnx")]
     ort = [name.removesuffix(".onnx") + ".ort" for name in onnx_files] + [ORT_CONFIG_FILE] if ort_format else []
     return sorted(onnx_files + other + ort)
 

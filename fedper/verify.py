@@ -22,8 +22,11 @@ from fedper.artifacts import (
     LABELS_NAME,
     LOGITS_NAME,
     MAX_IR_VERSION,
+    OPTIMIZER_MODEL,
     ORT_CONFIG_FILE,
     TRAINING_MODEL,
+    WEB_LR_INPUT,
+    WEB_TRAINING_MODEL,
     artifact_sets_for,
     expected_files,
 )
@@ -49,9 +52,12 @@ def verify(directory: str | Path, *, expected_digest: str | None = None) -> list
     if problems:
         return problems  # the ONNX checks below read files that must first be known intact
     initial = _check_inference(directory / INFERENCE_FILE, manifest, problems)
+    web = _has_web_graphs(manifest)
     for kind, folder in manifest.artifact_sets.items():
-        for graph in (TRAINING_MODEL, EVAL_MODEL):
+        for graph in (TRAINING_MODEL, EVAL_MODEL, *([WEB_TRAINING_MODEL] if web else [])):
             _check_training_graph(directory / folder / graph, manifest, kind, problems)
+        if web:
+            _check_step_flag(directory / folder / OPTIMIZER_MODEL, problems)
     try:
         shared = decode_shared(manifest, (directory / BASE_FILE).read_bytes())
     except PayloadError as e:
@@ -108,13 +114,25 @@ def _check_files(directory: Path, manifest: Manifest) -> list[str]:
         elif sha256_file(directory / name) != digest:
             problems.append(f"{name}: sha256 does not match the manifest (modified or corrupt)")
     ort_format = ORT_CONFIG_FILE in manifest.files
-    expected = set(expected_files(manifest.artifact_sets, ort_format=ort_format))
+    expected = set(expected_files(manifest.artifact_sets, ort_format=ort_format, web=_has_web_graphs(manifest)))
     for name in sorted(expected - set(manifest.files)):
         problems.append(f"{name}: needed by the manifest's artifact sets but not listed in its files")
     on_disk = {p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file()} - {MANIFEST_FILE}
     for name in sorted(on_disk - set(manifest.files)):
         problems.append(f"{name}: unexpected file, not in the manifest")
     return problems
+
+
+def _has_web_graphs(manifest: Manifest) -> bool:
+    """Whether the export carries the web agent's graphs (exports made before them do not, and stay valid)."""
+    return any(PurePosixPath(name).name == WEB_TRAINING_MODEL for name in manifest.files)
+
+
+def _check_step_flag(path: Path, problems: list[str]) -> None:
+    """onnxruntime-web loads an optimizer graph only if its output (the step flag) is declared a scalar."""
+    proto = _load(path, problems)
+    if proto is not None and [len(o.type.tensor_type.shape.dim) for o in proto.graph.output] != [0]:
+        problems.append(f"{path.parent.name}/{path.name}: its output is not one scalar: onnxruntime-web refuses it")
 
 
 def _graph_tensors(values: Iterable[onnx.ValueInfoProto | onnx.TensorProto]) -> dict[str, tuple[tuple, str]]:
@@ -170,11 +188,13 @@ def _check_training_graph(path: Path, manifest: Manifest, kind: str, problems: l
     proto = _load(path, problems)
     if proto is None:
         return
-    inputs = [v for v in proto.graph.input if v.name not in (INPUT_NAME, LABELS_NAME, RESET_GRAD_INPUT)
+    inputs = [v for v in proto.graph.input if v.name not in (INPUT_NAME, LABELS_NAME, RESET_GRAD_INPUT, WEB_LR_INPUT)
               and not v.name.endswith(GRAD_BUFFER_SUFFIX)]
     _compare(_graph_tensors(inputs), manifest, where, problems)
     _check_io(proto, [INPUT_NAME, LABELS_NAME], manifest, where, problems)
-    if path.name == TRAINING_MODEL:
+    if path.name == WEB_TRAINING_MODEL and _graph_tensors(proto.graph.input).get(WEB_LR_INPUT) != ((), "float32"):
+        problems.append(f"{where}: no float32 scalar input {WEB_LR_INPUT!r}")
+    if path.name in (TRAINING_MODEL, WEB_TRAINING_MODEL):
         trained = sorted(v.name.removesuffix(GRAD_BUFFER_SUFFIX) for v in proto.graph.input
                          if v.name.endswith(GRAD_BUFFER_SUFFIX))
         expected = sorted(manifest.trained_names(kind))

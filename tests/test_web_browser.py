@@ -1,0 +1,98 @@
+"""A phone's browser as a device, for real: Debian's chromium (driven by puppeteer-core, web/test/browser/drive.mjs)
+opens the web agent's page where the real fedper-coordinator serves it (--web-port: the page, the export and
+config.json, cross-origin isolated), picks digit images with its file picker, and takes part in FedPer rounds with
+two fedper-agents, through a real Mosquitto that the page reaches over WebSockets (websockify in front of its TCP
+listener, the ws_broker fixture). The page reloads once its second update is out and rejoins with its head from
+IndexedDB. Every update frame on the broker is captured: none carries a head tensor; every round folds the page's
+update."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import paho.mqtt.client as paho
+import pytest
+from helpers.page import write_images
+from helpers.processes import agent_args, coordinator_args, write_device_data
+from helpers.websocket import wait_listening
+
+from fedper.manifest import Manifest
+from fedper.ports import free_port
+from fedper.wire import Reassembler, Topics, decode_chunk
+
+ROOT = Path(__file__).resolve().parent.parent
+DRIVER = ROOT / "web" / "test" / "browser" / "drive.mjs"
+FLEET = "browser"
+ROUNDS = 4
+
+pytestmark = [
+    pytest.mark.mosquitto,
+    pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium is not installed (make chromium)"),
+    pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed"),
+    pytest.mark.skipif(not (ROOT / "web" / "dist" / "index.html").is_file(), reason="the page is not built (make web)"),
+]
+
+
+@pytest.mark.timeout(600)
+def test_a_browser_page_takes_part_in_fedper_rounds(ws_broker, tiny_artifacts, processes, tmp_path):
+    mosquitto = ws_broker.broker
+    manifest = Manifest.load(tiny_artifacts)
+    topics = Topics(FLEET)
+    updates: list[tuple[str, list[str]]] = []
+    parts = Reassembler(10_000_000)
+
+    def on_message(client, userdata, message) -> None:  # the broker's view of every update
+        device = message.topic.rsplit("/", 1)[-1]
+        blob = parts.add(device, decode_chunk(message.payload))
+        if blob is not None:
+            header = json.loads(blob.data[8 : 8 + int.from_bytes(blob.data[:8], "little")])
+            updates.append((device, sorted(k for k in header if k != "__metadata__")))
+
+    spy = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id="spy")
+    spy.on_message = on_message
+    spy.connect("127.0.0.1", mosquitto.port)
+    spy.subscribe(f"{topics.base}/update/#", qos=1)
+    spy.loop_start()
+
+    state, web = tmp_path / "coordinator", free_port()
+    coordinator = processes.start(
+        "coordinator", *coordinator_args(tiny_artifacts, mosquitto.url, state, FLEET, ROUNDS, 3, 300),
+        "--web-port", str(web), "--web-host", "127.0.0.1", "--web-broker", ws_broker.url)
+    for j, classes in enumerate([(0, 1), (2, 3)]):
+        data = write_device_data(tmp_path / f"agent{j}.npz", classes, 50)
+        processes.start(f"agent{j}", *agent_args(tiny_artifacts, data, mosquitto.url, FLEET, f"python-{j}",
+                                                 tmp_path / f"agent{j}"))
+    images = tmp_path / "images"
+    write_images(images, (0, 1, 2, 3), 60, offset=300)
+    wait_listening(web, coordinator, tmp_path / "coordinator.log", timeout=120)
+    started = time.monotonic()
+    url = f"http://127.0.0.1:{web}/?device=web-1&seed=3&batch=16&lr=0.02"
+    done = subprocess.run(["node", str(DRIVER), url, str(images), "2", "420"], cwd=ROOT / "web", capture_output=True,
+                          text=True, timeout=480)
+    seconds = time.monotonic() - started
+    spy.loop_stop()
+    result = json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else {"error": done.stderr}
+    assert "error" not in result, (result, processes.log("coordinator")[-3000:])
+    assert result["isolated"], "the page is not cross-origin isolated: no wasm threads"
+
+    assert result["reloadedAfter"] >= 2
+    assert any(f"restored the head of round {result['reloadedAfter']}" in line for line in result["log"]), result["log"]
+    assert 0 <= result["final"] <= 1 and "finished" in result["status"]
+    rounds = [json.loads(line) for line in (state / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rounds] == list(range(1, ROUNDS + 1))
+    for r in rounds:
+        assert r["participants"] == 3, r  # the page's update is folded in every round, the reload's round too
+        # with every update folded, a refusal can only answer a resend: a reloaded page gets its round's RoundInfo
+        # twice (retained, and queued in its persistent session) and sends its saved update again each time
+        assert set(r["rejected"]) <= {"duplicate_update", "late_update"}, r
+    shared, heads = manifest.names(shared=True), set(manifest.names(shared=False))
+    assert {device for device, _ in updates} == {"python-0", "python-1", "web-1"}
+    assert sum(device == "web-1" for device, _ in updates) >= ROUNDS
+    for device, names in updates:
+        assert not heads & set(names), f"{device} sent head tensors"
+        assert names == sorted(shared), device
+    print(f"browser fleet: {ROUNDS} rounds in {seconds:.0f} s, the page's final accuracy {result['final']:.3f}")

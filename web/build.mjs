@@ -1,0 +1,23 @@
+// npm run build: the page's static root, dist/ (what fedper.web_root() names and the coordinator serves): the
+// page's own ES modules as they are, and the three vendor files it loads, copied from node_modules (onnxruntime-web's
+// patched training build with its wasm, mqtt.js's browser module). Nothing is bundled or fetched.
+
+import { cpSync, mkdirSync, readdirSync, rmSync } from 'node:fs';
+import { dirname, join } from 'node:path';
+import { fileURLToPath } from 'node:url';
+
+const web = dirname(fileURLToPath(import.meta.url));
+const dist = join(web, 'dist');
+const ort = join(web, 'node_modules', 'onnxruntime-web', 'dist');
+const vendor = [
+  [join(ort, 'ort.training.wasm.mjs'), 'vendor/ort/ort.training.wasm.mjs'],
+  [join(ort, 'ort-training-wasm-simd-threaded.mjs'), 'vendor/ort/ort-training-wasm-simd-threaded.mjs'],
+  [join(ort, 'ort-training-wasm-simd-threaded.wasm'), 'vendor/ort/ort-training-wasm-simd-threaded.wasm'],
+  [join(web, 'node_modules', 'mqtt', 'dist', 'mqtt.esm.js'), 'vendor/mqtt.esm.js'],
+];
+
+rmSync(dist, { recursive: true, force: true });
+mkdirSync(join(dist, 'vendor', 'ort'), { recursive: true });
+for (const name of readdirSync(join(web, 'src'))) cpSync(join(web, 'src', name), join(dist, name));
+for (const [from, to] of vendor) cpSync(from, join(dist, to));
+console.log(`built ${dist}`);

@@ -1,0 +1,176 @@
+// The page: a device of the fleet. Reads /config.json (broker, fleet, artifacts; the URL's ?broker=, ?fleet=,
+// ?device= and the training options override it) and a provisioning link's #device=&password=, loads and checks the
+// export, keeps the user's images and the device's state in IndexedDB, and runs the agent over MQTT on WebSockets.
+// Everything else is in the modules.
+
+import * as ort from './vendor/ort/ort.training.wasm.mjs';
+import mqtt from './vendor/mqtt.esm.js';
+import { Agent, DEFAULTS } from './agent.js';
+import { openArtifacts } from './artifacts.js';
+import { localData } from './dataset.js';
+import { resizeBilinear } from './images.js';
+import { IndexedDBStore } from './store.js';
+import { Trainer } from './trainer.js';
+import { runAgent } from './transport.js';
+
+const $ = (id) => document.getElementById(id);
+const lines = [];
+
+function log(line) {
+  const stamped = `${new Date().toISOString().slice(11, 19)} ${line}`;
+  lines.push(stamped);
+  const box = $('log');
+  box.textContent += `${stamped}\n`;
+  box.scrollTop = box.scrollHeight;
+}
+
+function status(text) {
+  $('status').textContent = text;
+}
+
+/** The run's settings: config.json, then the URL's query parameters. */
+async function settings() {
+  const response = await fetch('config.json').catch(() => null);
+  const config = response?.ok ? await response.json() : {};
+  const q = new URLSearchParams(location.search);
+  const number = (key, fallback) => (q.has(key) ? Number(q.get(key)) : config[key] ?? fallback);
+  return {
+    broker: q.get('broker') ?? config.broker,
+    fleet: q.get('fleet') ?? config.fleet,
+    artifacts: new URL(config.artifacts ?? 'artifacts/', location.href),
+    device: q.get('device'),
+    threads: number('threads', self.crossOriginIsolated ? Math.min(4, navigator.hardwareConcurrency || 1) : 1),
+    training: {
+      lr: number('lr', DEFAULTS.lr), localEpochs: number('epochs', DEFAULTS.localEpochs),
+      batchSize: number('batch', DEFAULTS.batchSize), seed: number('seed', DEFAULTS.seed),
+      codec: q.get('codec') ?? config.codec ?? DEFAULTS.codec,
+    },
+  };
+}
+
+/** This browser's device id and broker password: ?device=, else the provisioning link's fragment
+ * (#device=ID&password=PW, deploy/provision-device.sh: a fragment never reaches a server), kept with the browser's
+ * state and removed from the address bar, else what was kept, else an id drawn once (and no password). */
+async function identity(chosen) {
+  const shared = await IndexedDBStore.open(indexedDB, 'fedper');
+  const fragment = new URLSearchParams(location.hash.slice(1));
+  if (fragment.has('device')) {
+    await shared.put('identity', { device: fragment.get('device'), password: fragment.get('password') ?? undefined });
+    history.replaceState(null, '', location.pathname + location.search);
+  }
+  let kept = await shared.get('identity');
+  if (!kept?.device) {
+    kept = { device: `web-${[...crypto.getRandomValues(new Uint8Array(4))].map((b) => b.toString(16).padStart(2, '0')).join('')}` };
+    await shared.put('identity', kept);
+  }
+  return chosen && chosen !== kept.device ? { device: chosen } : kept;
+}
+
+/** A picked image file as RGB bytes at the model's input size (decoded by the browser, resized as Pillow does). */
+async function decode(file, width, height) {
+  const bitmap = await createImageBitmap(file, { colorSpaceConversion: 'none', premultiplyAlpha: 'none' });
+  const canvas = new OffscreenCanvas(bitmap.width, bitmap.height);
+  const context = canvas.getContext('2d');
+  context.drawImage(bitmap, 0, 0);
+  const rgba = context.getImageData(0, 0, bitmap.width, bitmap.height).data;
+  const rgb = new Uint8Array(bitmap.width * bitmap.height * 3);
+  for (let p = 0; p < bitmap.width * bitmap.height; p++) rgb.set(rgba.subarray(4 * p, 4 * p + 3), 3 * p);
+  const size = [bitmap.width, bitmap.height];
+  bitmap.close();
+  return resizeBilinear(rgb, ...size, width, height);
+}
+
+async function main() {
+  const s = await settings();
+  const { device, password } = await identity(s.device);
+  $('who').textContent = `device ${device} · fleet ${s.fleet ?? '?'} · broker ${s.broker ?? '?'}`;
+  if (!s.broker || !s.fleet) throw new Error('no broker or fleet: open the URL the coordinator prints, or add ?broker=ws://HOST:PORT&fleet=NAME');
+  const store = await IndexedDBStore.open(indexedDB, `fedper-${device}`);
+  const { manifest, read } = await openArtifacts(async (path) => {
+    const response = await fetch(new URL(path, s.artifacts));
+    if (!response.ok) throw new Error(`${path}: HTTP ${response.status}`);
+    return new Uint8Array(await response.arrayBuffer());
+  });
+  ort.env.wasm.numThreads = s.threads;
+  const started = performance.now();
+  const trainer = await Trainer.open(ort, manifest, read, { executionProviders: ['wasm'] });
+  log(`model ${manifest.model.architecture} (${manifest.algorithm}, ${manifest.classes.length} classes) ready in ${((performance.now() - started) / 1000).toFixed(1)} s; onnxruntime-web with ${s.threads} thread(s)${self.crossOriginIsolated ? '' : ' (not cross-origin isolated: one thread)'}`);
+
+  const [, height, width] = manifest.model.input_shape;
+  let images = (await store.get('images')) ?? [];
+  let run = null, agent = null, wakeLock = null;
+  for (const c of manifest.classes) $('class').add(new Option(c, c));
+  const showCounts = () => {
+    const counts = manifest.classes.map((c) => `${c}: ${images.filter((im) => im.label === c).length}`);
+    $('counts').textContent = `${images.length} image(s) · ${counts.join(' · ')}`;
+    $('join').disabled = images.length < 2 || run !== null;
+  };
+  const describe = () => {
+    if (!agent) return images.length < 2 ? 'add at least two images, then join' : 'ready to join';
+    if (agent.finalAccuracy !== null) return `finished: personalized accuracy ${(100 * agent.finalAccuracy).toFixed(1)} %`;
+    const info = agent.round;
+    if (!info) return 'connecting…';
+    const sent = agent.saved && agent.saved.round === info.round;
+    const accuracy = agent.saved?.metrics?.accuracy;
+    return `round ${info.round} of ${info.rounds}: ${sent ? 'update sent' : 'taking part'}${accuracy === undefined ? '' : ` · accuracy ${(100 * accuracy).toFixed(1)} %`}`;
+  };
+
+  const start = async () => {
+    await store.put('joined', true);
+    const data = await localData(images, manifest, store, s.training.seed, log);
+    agent = new Agent({ config: { fleet: s.fleet, clientId: device, ...s.training }, manifest, trainer, data, store, log });
+    await agent.restore();
+    log(`${device}: ${data.yTrain.length} training / ${data.yTest.length} test images, connecting to ${s.broker}`);
+    wakeLock = await navigator.wakeLock?.request('screen').catch(() => null); // a sleeping phone stops training
+    const credentials = password ? { username: device, password } : {};
+    run = runAgent(agent, mqtt, s.broker, { ...credentials, log, onChange: () => status(describe()) });
+    showCounts();
+    status(describe());
+    run.done.then((reason) => {
+      log(`stopped (${reason})`);
+      wakeLock?.release().catch(() => {});
+      run = null;
+      showCounts();
+      status(describe());
+    });
+  };
+  const restart = async () => {
+    if (!run) return;
+    log('the images changed: joining again with them');
+    const stopping = run;
+    await stopping.stop();
+    await stopping.done;
+    await start();
+  };
+  const add = async (files) => {
+    const label = $('class').value;
+    for (const file of files) {
+      try {
+        images.push({ name: file.name, label, pixels: await decode(file, width, height) });
+      } catch (e) {
+        log(`cannot read ${file.name}: ${e.message}`);
+      }
+    }
+    await store.put('images', images);
+    showCounts();
+    await restart();
+  };
+  $('photos').addEventListener('change', (e) => add([...e.target.files]));
+  $('camera').addEventListener('change', (e) => add([...e.target.files]));
+  $('join').addEventListener('click', () => start().catch((e) => log(`cannot join: ${e.message}`)));
+  $('forget').addEventListener('click', async () => {
+    await run?.stop();
+    for (const key of ['device', 'images', 'split', 'final', 'joined']) await store.delete(key);
+    images = [];
+    location.reload();
+  });
+  window.fedper = { manifest, trainer, store, lines, device, agent: () => agent, running: () => run !== null, status: describe };
+  showCounts();
+  status(describe());
+  if (images.length >= 2 && (await store.get('joined'))) await start(); // a reload rejoins by itself
+}
+
+main().catch((e) => {
+  log(`error: ${e.message}`);
+  status(`cannot start: ${e.message}`);
+});
