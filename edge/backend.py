@@ -4,12 +4,14 @@ A backend holds the device's whole model (shared + device-local tensors, by mani
 trains the set of tensors a phase names ("all", "head" or "base"). Two implementations:
 `ort_backend.OrtBackend` (onnxruntime-training, the artifacts' own graphs) and
 `torch_backend.TorchBackend` (PyTorch, for devices without an onnxruntime-training build).
-Both walk the kernel's seeded batch order (fedper.batches), so from the same state and data they
-make the same update, and the same one as the emulator.
+`choose_backend` picks one for `--backend auto`. Both walk the kernel's seeded batch order
+(fedper.batches), so from the same state and data they make the same update, and the same one as the emulator.
 """
 
 from __future__ import annotations
 
+import importlib
+import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -18,11 +20,47 @@ from typing import Protocol
 
 import numpy as np
 
+from fedper.artifacts import ORT_WHEELS
 from fedper.batches import EVAL_BATCH, epoch_batches
 from fedper.manifest import Manifest, ManifestError
 from fedper.verify import verify
 
-BACKENDS = ("ort", "torch")
+BACKENDS = ("auto", "ort", "torch")
+
+
+class BackendUnavailable(ValueError):
+    """A --backend whose runtime this device cannot import: a bad option value here, reported as one."""
+
+
+def _version(module: str) -> str | None:
+    """Its package's version when `module` imports, else None: a real import, not a lookup, so that a runtime
+    that is present but cannot load counts as missing (the backend imports it next anyway)."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return None
+    return str(getattr(sys.modules[module.partition(".")[0]], "__version__", "?"))
+
+
+def choose_backend(kind: str) -> tuple[str, str]:
+    """('ort' or 'torch', a line saying which runtime trains and why) for --backend auto, ort or torch;
+    BackendUnavailable with one line (what is missing, what to do) when the runtime asked for is not installed."""
+    if kind not in BACKENDS:
+        raise ValueError(f"--backend {kind!r}: choose one of {', '.join(BACKENDS)}")
+    if kind in ("auto", "ort"):
+        ort = _version("onnxruntime.training")
+        if ort is not None:
+            return "ort", f"training with onnxruntime-training {ort} (--backend {kind})"
+        if kind == "ort":
+            raise BackendUnavailable(f"--backend ort: onnxruntime-training is not installed ({ORT_WHEELS}); use "
+                                     "--backend torch (or auto), or build onnxruntime with its training APIs "
+                                     "(deploy/README.md)")
+    torch = _version("torch")
+    if torch is not None:
+        why = ": onnxruntime-training is not installed" if kind == "auto" else ""
+        return "torch", f"training with torch {torch} (--backend {kind}{why})"
+    missing = "neither onnxruntime-training nor torch is installed" if kind == "auto" else "torch is not installed"
+    raise BackendUnavailable(f"--backend {kind}: {missing}; install PyTorch for this device (deploy/README.md)")
 
 
 def batch_order(n: int, batch_size: int, epoch: int, seed: int | Sequence[int]) -> list[np.ndarray]:
@@ -93,7 +131,7 @@ def open_backend(kind: str, artifacts: str | Path, manifest: Manifest) -> Backen
         from fedper.edge.torch_backend import TorchBackend
 
         return TorchBackend(Path(artifacts), manifest)
-    raise ValueError(f"unknown backend {kind!r}; choose one of {', '.join(BACKENDS)}")
+    raise ValueError(f"unknown backend {kind!r}; choose ort or torch (choose_backend resolves auto)")
 
 
 def evaluate_batches(forward, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -27,7 +28,8 @@ def run(
         "(their Algorithm 2; fedper-emulate's default); the next round trains the untuned model. 0: serve the "
         "frozen head."),
     eval_finetune: str = typer.Option("all", help="FedBABU: what that fine-tune trains: all (their paper) or head."),
-    backend: str = typer.Option("ort", help="Local training runtime: ort (onnxruntime-training) or torch."),
+    backend: str = typer.Option("auto", help="Local training runtime: ort (onnxruntime-training), torch, or auto: "
+                                "ort where onnxruntime-training is installed, else torch (the first line says which)."),
     seed: int = typer.Option(
         0,
         help="Seed of the train/test split and of the batch order "
@@ -67,7 +69,7 @@ def run(
     from fedper.compression import check_codec
     from fedper.data import DataError
     from fedper.edge.agent import Agent, AgentConfig
-    from fedper.edge.backend import BACKENDS
+    from fedper.edge.backend import choose_backend
     from fedper.edge.engine import AgentError
     from fedper.edge.service import run_agent
     from fedper.edge.state import StateError
@@ -85,8 +87,9 @@ def run(
         identity=identity,
     )
     try:
-        if backend not in BACKENDS:
-            raise ValueError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+        runtime, line = choose_backend(backend)
+        typer.echo(f"fedper-agent: {line}", err=True)
+        config = replace(config, backend=runtime)
         check_codec(compression)
         run_agent(Agent(config, log=lambda line: typer.echo(line, err=True)))
     except (AgentError, BrokerRefused, DataError, ManifestError, StateError, WireError, ValueError, OSError) as e:

@@ -18,6 +18,18 @@ def _fail(message: str) -> None:
     raise typer.Exit(1)
 
 
+def _require_onnxruntime_training() -> None:
+    """The gradient graphs come from onnxruntime-training: where it is not installed, say so in one line (exit 2)."""
+    try:
+        import onnxruntime.training  # noqa: F401
+    except ImportError:
+        from fedper.artifacts import ORT_WHEELS
+
+        typer.echo(f"error: fedper-export needs onnxruntime-training, which is not installed ({ORT_WHEELS}): "
+                   "export there; devices without it train the artifacts with fedper-agent's torch backend", err=True)
+        raise typer.Exit(2) from None
+
+
 @app.callback(invoke_without_command=True)
 def export(
     ctx: typer.Context,
@@ -53,6 +65,7 @@ def export(
                if value is None]
     if missing:
         _fail(f"missing option(s) {', '.join(missing)}")
+    _require_onnxruntime_training()
     from rich.progress import Progress
 
     from fedper.algorithms import federated_algorithm

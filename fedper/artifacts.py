@@ -24,6 +24,8 @@ INPUT_NAME = "input"
 LABELS_NAME = "labels"
 LOGITS_NAME = "logits"
 MAX_IR_VERSION = 10  # onnxruntime 1.19 refuses models of a newer ONNX IR version
+# Where `pip install fedper-edge` brings onnxruntime-training (pyproject.toml's markers say the same)
+ORT_WHEELS = "its last release, 1.19.2, has wheels for Linux x86-64 and macOS with Python 3.10-3.12 only"
 
 
 def artifact_sets_for(algorithm: str, kp: int) -> dict[str, str]:

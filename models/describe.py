@@ -80,7 +80,12 @@ def describe(
 
 
 def _versions() -> dict[str, str]:
+    """The libraries that wrote the manifest; onnxruntime only where it is installed (the emulator runs without)."""
     import onnx
-    import onnxruntime
 
-    return {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}
+    versions = {"torch": torch.__version__, "onnx": onnx.__version__}
+    try:
+        import onnxruntime
+    except ImportError:
+        return versions
+    return {**versions, "onnxruntime": onnxruntime.__version__}
