@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test lint bench mosquitto websocket prometheus chromium web clean
+.PHONY: install demo test lint bench mosquitto websocket prometheus chromium web clean check-install check-aarch64
 
 install: $(STAMP)
 
@@ -70,6 +70,16 @@ test: install mosquitto websocket prometheus chromium web
 	$(BIN)/python -m pytest
 	@if [ -f web/dist/index.html ]; then node --test web/test/*.test.mjs; else echo "web agent not built: node tests skipped"; fi
 
+# pip's resolver, for every platform tag (Linux x86-64/aarch64, macOS arm64/x86-64) and Python 3.10-3.13:
+# `make test` asks for 3.12 and 3.13 only (the two sides of onnxruntime-training's last wheel).
+check-install: install
+	FEDPER_RESOLVE_ALL=1 $(BIN)/python -m pytest -q tests/test_install_resolve.py
+
+# The agent installed from aarch64 wheels into an emulated aarch64 Python (qemu-user-static, installed when
+# missing and root), one round against a coordinator on this machine; minutes, so not part of `make test`.
+check-aarch64: install
+	$(BIN)/python deploy/aarch64/check_aarch64.py
+
 lint: install
 	$(BIN)/ruff check .
 
@@ -77,4 +87,4 @@ bench: install
 	$(BIN)/python benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache web/node_modules web/dist
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache web/node_modules web/dist .aarch64

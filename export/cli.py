@@ -18,8 +18,9 @@ def _fail(message: str) -> None:
     raise typer.Exit(1)
 
 
-def _require_onnxruntime_training() -> None:
-    """The gradient graphs come from onnxruntime-training: where it is not installed, say so in one line (exit 2)."""
+def _require_export_runtime() -> None:
+    """The gradient graphs come from onnxruntime-training and the graph from torch.onnx.export(dynamo=False),
+    which torch >= 2.4 has: where either is missing, say so in one line (exit 2) rather than in a traceback."""
     try:
         import onnxruntime.training  # noqa: F401
     except ImportError:
@@ -28,6 +29,12 @@ def _require_onnxruntime_training() -> None:
         typer.echo(f"error: fedper-export needs onnxruntime-training, which is not installed ({ORT_WHEELS}): "
                    "export there; devices without it train the artifacts with fedper-agent's torch backend", err=True)
         raise typer.Exit(2) from None
+    import torch
+
+    if tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 4):
+        typer.echo(f"error: fedper-export needs torch >= 2.4 (torch.onnx.export's dynamo option); this is torch "
+                   f"{torch.__version__} (2.2.2 is the last build for Intel Macs): export on another machine", err=True)
+        raise typer.Exit(2)
 
 
 @app.callback(invoke_without_command=True)
@@ -65,7 +72,7 @@ def export(
                if value is None]
     if missing:
         _fail(f"missing option(s) {', '.join(missing)}")
-    _require_onnxruntime_training()
+    _require_export_runtime()
     from rich.progress import Progress
 
     from fedper.algorithms import federated_algorithm

@@ -97,6 +97,23 @@ def test_export_without_onnxruntime_says_why_in_one_line(tmp_path: Path) -> None
 
 
 @pytest.mark.timeout(600)
+def test_export_on_torch_older_than_2_4_says_why_in_one_line(tmp_path: Path) -> None:
+    """An Intel Mac's torch (2.2.2, the last build there) has no torch.onnx.export(dynamo=...): one line, exit 2.
+    The version is the only thing changed here (a sitecustomize sets it), the rest is this machine's torch."""
+    folder = tmp_path / "old-torch"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text("import torch\n\ntorch.__version__ = '2.2.2'\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])}
+    out = tmp_path / "artifacts"
+    result = run(env, "fedper-export", "--model", "mobilenet_v1", "--num-classes", "3", "--width", "0.25",
+                 "--out", str(out))
+    assert result.returncode == 2, result.stderr
+    (line,) = stderr_lines(result)
+    assert "fedper-export needs torch >= 2.4" in line and "this is torch 2.2.2" in line
+    assert not out.exists()
+
+
+@pytest.mark.timeout(600)
 def test_the_emulator_runs_without_onnxruntime(tmp_path: Path) -> None:
     """Its manifest records the libraries it ran with; onnxruntime is not one of them here."""
     out = tmp_path / "run"
@@ -113,13 +130,14 @@ def test_the_emulator_runs_without_onnxruntime(tmp_path: Path) -> None:
 def test_an_agent_without_onnxruntime_trains_a_round_with_torch(tmp_path: Path, tiny_artifacts: Path, mosquitto,
                                                                 processes) -> None:
     """--backend auto (the default) on a device without onnxruntime-training: the torch backend, a real round
-    through Mosquitto against a coordinator that has no onnxruntime either."""
+    through Mosquitto against a coordinator that has neither onnxruntime nor torch (an Intel Mac, Python 3.13)."""
     env = blocking(tmp_path, "onnxruntime")
     data = write_device_data(tmp_path / "device.npz", (0, 1, 2, 3), 40)
     state = tmp_path / "coordinator"
     command = [sys.executable, *coordinator_args(tiny_artifacts, mosquitto.url, state, "noort", 1, 1, 120)]
     with open(tmp_path / "coordinator.log", "wb") as log:
-        coordinator = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        coordinator = subprocess.Popen(command, env=blocking(tmp_path, "onnxruntime", "torch", "torchvision"),
+                                       stdout=log, stderr=subprocess.STDOUT)
     processes.procs.append(coordinator)
     agent = subprocess.run(
         [str(BIN / "fedper-agent"), *agent_args(tiny_artifacts, data, mosquitto.url, "noort", "dev0",
