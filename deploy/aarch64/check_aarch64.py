@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -138,16 +139,18 @@ def main() -> int:
                         "CUDA builds with ~5 GB of NVIDIA libraries).")
     parser.add_argument("--mirror", default="http://deb.debian.org/debian", help="Debian mirror for the arm64 root.")
     parser.add_argument("--timeout", type=float, default=1800, help="Seconds the round may take (agent start to end).")
+    parser.add_argument("--keep-venv", action="store_true",
+                        help="Reuse the last run's venv and its packages (only this checkout's wheel is reinstalled).")
     args = parser.parse_args()
     if platform.machine() != "x86_64" or sys.platform != "linux":
         print("check-aarch64: runs on Linux x86-64 (it emulates aarch64 with qemu-user-static)", file=sys.stderr)
         return 2
     cache = args.cache.resolve()
     timings: dict[str, float] = {}
-    result: dict[str, object] = {"timings_s": timings, "torch": args.torch, "load_average_at_start": os.getloadavg(),
+    result: dict[str, object] = {"timings_s": timings, "load_average_at_start": os.getloadavg(),
                                  "cpus": os.cpu_count()}
     start = time.perf_counter()
-    coordinator = None
+    host: list[subprocess.Popen[bytes]] = []
     try:
         with step(timings, "qemu-user-static"):
             emulator = qemu()
@@ -155,28 +158,34 @@ def main() -> int:
             root = make_root(cache, args.mirror)
         aarch64 = [emulator, "-L", str(root)]
         venv, work = cache / "venv", cache / "run"
-        shutil.rmtree(venv, ignore_errors=True)
+        fresh = not (args.keep_venv and (venv / "bin/fedper-agent").exists())
+        result["torch_requirement"] = args.torch if fresh else "the kept venv's"
+        if fresh:
+            shutil.rmtree(venv, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
-        with step(timings, "venv and pip (emulated)"):
-            run(*aarch64, root / "usr/bin/python3.11", "-m", "venv", "--without-pip", venv)
-            (pip_wheel,) = (root / "usr/share/python-wheels").glob("pip-*.whl")
-            run(*aarch64, venv / "bin/python", pip_wheel / "pip", "install", "-q", "--no-index", "--find-links",
-                root / "usr/share/python-wheels", "pip", "setuptools")
-            result["machine"] = run(*aarch64, venv / "bin/python", "-c",
-                                    "import platform; print(platform.machine(), platform.python_version())"
-                                    ).stdout.strip()
+        if fresh:
+            with step(timings, "venv and pip (emulated)"):
+                run(*aarch64, root / "usr/bin/python3.11", "-m", "venv", "--without-pip", venv)
+                (pip_wheel,) = (root / "usr/share/python-wheels").glob("pip-*.whl")
+                run(*aarch64, venv / "bin/python", pip_wheel / "pip", "install", "-q", "--no-index", "--find-links",
+                    root / "usr/share/python-wheels", "pip", "setuptools")
         with step(timings, "agent wheel (host)"):
             wheel = agent_wheel(work)
+        pip = [*aarch64, venv / "bin/python", "-m", "pip"]
         with step(timings, "pip install the agent from aarch64 wheels (emulated)"):
-            run(*aarch64, venv / "bin/python", "-m", "pip", "install", "-q", "--only-binary=:all:", "--cache-dir",
-                cache / "pip-cache", wheel, args.torch)
-            frozen = run(*aarch64, venv / "bin/python", "-m", "pip", "list", "--format=json").stdout
-            versions = {p["name"].lower(): p["version"] for p in json.loads(frozen)}
-            result["installed"] = {n: versions.get(n) for n in ("fedper-edge", "torch", "torchvision", "numpy",
-                                                                 "onnx", "onnxruntime-training-cpu")}
+            if fresh:
+                run(*pip, "install", "-q", "--only-binary=:all:", "--cache-dir", cache / "pip-cache", wheel, args.torch)
+            else:
+                run(*pip, "install", "-q", "--no-deps", "--force-reinstall", wheel)
+        result["machine"] = run(*aarch64, venv / "bin/python", "-c",
+                                "import platform; print(platform.machine(), platform.python_version())").stdout.strip()
+        versions = {p["name"].lower(): p["version"] for p in json.loads(run(*pip, "list", "--format=json").stdout)}
+        result["installed"] = {n: versions.get(n) for n in ("fedper-edge", "torch", "torchvision", "numpy", "onnx",
+                                                             "onnxruntime-training-cpu")}
         with step(timings, "export, data, coordinator (host)"):
-            coordinator, command = start_host_side(work)
+            host, command = start_host_side(work)
+            coordinator = host[1]
         with step(timings, "one round: emulated agent start to exit"):
             agent = subprocess.run([*aarch64, str(venv / "bin/python"), str(venv / "bin/fedper-agent"), *command],
                                    capture_output=True, text=True, timeout=args.timeout)
@@ -196,8 +205,9 @@ def main() -> int:
         result["ok"], result["error"] = False, str(e)
         print(f"check-aarch64: {e}", file=sys.stderr)
     finally:
-        if coordinator is not None and coordinator.poll() is None:
-            coordinator.kill()
+        for process in host:
+            if process.poll() is None:
+                process.kill()
         timings["total"] = round(time.perf_counter() - start, 1)
         result["load_average_at_end"] = os.getloadavg()
         cache.mkdir(parents=True, exist_ok=True)
@@ -209,9 +219,10 @@ def main() -> int:
     return 0 if result["ok"] else 1
 
 
-def start_host_side(work: Path) -> tuple[subprocess.Popen[bytes], list[str]]:
-    """A tiny export, 48 real digits for the device, a coordinator with its embedded broker waiting for one
-    device and one round; returns it and the agent's arguments."""
+def start_host_side(work: Path) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
+    """A tiny export, 48 real digits for the device, the embedded amqtt broker in a process of its own (it must
+    outlive the coordinator: the slow emulated agent takes the final model after the coordinator is done) and a
+    coordinator waiting for one device and one round; returns both processes and the agent's arguments."""
     import numpy as np
 
     from fedper.data import load_digits
@@ -226,15 +237,34 @@ def start_host_side(work: Path) -> tuple[subprocess.Popen[bytes], list[str]]:
     data = work / "device.npz"
     np.savez(data, x_train=digits.x[keep], y_train=digits.y[keep], classes=np.array(["0", "1", "2", "3"]))
     port = free_port()
+    serve = ("import sys, threading; from fedper.coordinator.broker import EmbeddedBroker; "
+             "EmbeddedBroker(port=int(sys.argv[1])).start(); threading.Event().wait()")
+    with open(work / "broker.log", "wb") as log:
+        broker = subprocess.Popen([sys.executable, "-c", serve, str(port)], stdout=log, stderr=subprocess.STDOUT)
+    wait_for_port(port, broker)
+    url = f"mqtt://127.0.0.1:{port}"
     with open(work / "coordinator.log", "wb") as log:
         coordinator = subprocess.Popen(
             [bin_dir / "fedper-coordinator", "--artifacts", artifacts, "--fleet", "aarch64", "--rounds", "1",
-             "--min-clients", "1", "--round-timeout", "1800", "--state-dir", work / "coordinator",
-             "--embedded-broker", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
-    agent = ["--artifacts", str(artifacts), "--data", str(data), "--broker", f"mqtt://127.0.0.1:{port}",
-             "--mqtt-version", "3.1.1", "--fleet", "aarch64", "--client-id", "emulated-pi",
-             "--state-dir", str(work / "agent"), "--batch-size", "16"]
-    return coordinator, agent
+             "--min-clients", "1", "--round-timeout", "1800", "--state-dir", work / "coordinator", "--broker", url,
+             "--mqtt-version", "3.1.1"], stdout=log, stderr=subprocess.STDOUT)
+    agent = ["--artifacts", str(artifacts), "--data", str(data), "--broker", url, "--mqtt-version", "3.1.1",
+             "--fleet", "aarch64", "--client-id", "emulated-pi", "--state-dir", str(work / "agent"),
+             "--batch-size", "16"]
+    return [broker, coordinator], agent
+
+
+def wait_for_port(port: int, process: subprocess.Popen[bytes], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise Failed(f"the broker exited {process.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise Failed(f"the broker did not listen on port {port} in {timeout} s")
 
 
 if __name__ == "__main__":
