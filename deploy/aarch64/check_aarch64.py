@@ -11,8 +11,8 @@ through: an aarch64 /proc/cpuinfo and each CPU's midr_el1 (a Neoverse-N1's), whi
 
 Then, natively on this machine, a tiny export, a coordinator with its embedded broker; the emulated agent joins it
 over loopback with the default --backend auto, which must pick torch (no onnxruntime-training wheel for aarch64).
-The root and pip's downloads are kept in --cache (default: .aarch64/ in the repository, gitignored); the venv is
-made afresh each run. Wall times of every step go to stdout and to CACHE/last-run.json.
+The root is kept in --cache (default: .aarch64/ in the repository, gitignored); the venv is made afresh each run
+unless --keep-venv. Wall times of every step go to stdout and to CACHE/last-run.json.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def agent_wheel(work: Path) -> Path:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cache", type=Path, default=REPO / ".aarch64", help="Root, pip cache and run files.")
+    parser.add_argument("--cache", type=Path, default=REPO / ".aarch64", help="Root, venv and run files.")
     parser.add_argument("--torch", default="torch<2.11",
                         help="The torch requirement (2.10: the last CPU-only aarch64 torch on PyPI; newer ones are "
                         "CUDA builds with ~5 GB of NVIDIA libraries).")
@@ -175,7 +175,7 @@ def main() -> int:
         pip = [*aarch64, venv / "bin/python", "-m", "pip"]
         with step(timings, "pip install the agent from aarch64 wheels (emulated)"):
             if fresh:
-                run(*pip, "install", "-q", "--only-binary=:all:", "--cache-dir", cache / "pip-cache", wheel, args.torch)
+                run(*pip, "install", "-q", "--only-binary=:all:", wheel, args.torch)
             else:
                 run(*pip, "install", "-q", "--no-deps", "--force-reinstall", wheel)
         result["machine"] = run(*aarch64, venv / "bin/python", "-c",
