@@ -7,7 +7,8 @@ its marker environment replaced by the target's. The expectations come from the 
 onnxruntime-training and torch must be in a closure exactly where PyPI lists a wheel of them that the target
 accepts (`packaging.tags`, the tag rules pip vendors).
 
-18 resolves run at once; about 1.5-2 minutes on 2 cores, mostly pip parsing large index pages (torch, numpy).
+The resolves run 5 at a time: the 9 of `make test` took 115 s on 2 cores (load average 3-6), mostly pip parsing
+large index pages (torch, numpy) and wheels' central directories; `make check-install`'s 18 take about twice that.
 
 Skipped when PyPI is not reachable, or when pip is older than 25.3 (older ones download every wheel of a
 --dry-run: gigabytes of torch and CUDA libraries).
@@ -97,6 +98,8 @@ def resolve(platform: str, python: str, requirements: list[str], workdir: Path) 
     env = {**target.markers, "python_version": python, "python_full_version": f"{python}.0",
            "implementation_name": "cpython", "platform_python_implementation": "CPython", "os_name": "posix"}
     report = workdir / f"{platform}-{python}-{len(list(workdir.iterdir()))}.json"
+    # --isolated: PyPI alone, no local index, find-links or constraint file from this machine's pip config.
+    # fast-deps: metadata by HTTP range requests where the index does not serve it apart (PEP 658).
     command = [
         sys.executable, "-c", PIP_AS_TARGET, json.dumps(env), "install", "--isolated", "--dry-run", "--quiet",
         "--ignore-installed", "--only-binary=:all:", "--index-url", INDEX, "--use-feature=fast-deps",
