@@ -61,8 +61,9 @@ def start_mosquitto(directory: Path, port: int) -> subprocess.Popen[bytes]:
     shipped = [line for line in DEPLOY_CONF.read_text().splitlines() if line.split(" ", 1)[0] in keys]
     user = "user root\n" if os.geteuid() == 0 else ""
     conf = directory / "mosquitto.conf"
+    logging = f"log_type error\nlog_type warning\nlog_dest file {directory / 'broker.log'}\n"
     conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n{user}"
-                    + "\n".join(shipped) + f"\nlog_type error\nlog_type warning\nlog_dest file {directory / 'broker.log'}\n")
+                    + "\n".join(shipped) + "\n" + logging)
     proc = subprocess.Popen([shutil.which("mosquitto") or "/usr/sbin/mosquitto", "-c", str(conf)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
@@ -261,7 +262,8 @@ def run_phase(rate: float, rounds: int, round_timeout: float, directory: Path) -
     lags = [folds[k] - devices["acked"][k] for k in devices["acked"] if k in folds]
     late = sorted(set(devices["acked"]) - in_round)
     return {
-        "flood_rate": rate, "rounds": rounds, "rounds_closed": len(records), "finished": finished, "round_timeout_s": round_timeout,
+        "flood_rate": rate, "rounds": rounds, "rounds_closed": len(records), "finished": finished,
+        "round_timeout_s": round_timeout,
         "flood_sent": flood["sent"], "flood_rate_achieved": round(flood["sent"] / flood["seconds"], 1)
         if flood["seconds"] else 0.0,
         "honest_sent": len(devices["acked"]), "honest_folded_in_round": len(set(devices["acked"]) & in_round),
@@ -286,9 +288,11 @@ def run(out: Path, quick: bool) -> str:
             print(f"  flood {rate}/s done", file=sys.stderr, flush=True)
     write_json(out, "upload_flood", {"honest_devices": HONEST, "chunk_size": CHUNK, "model_floats": FLOATS,
                                      "results": results})
-    header = ["flood msg/s (achieved)", "rounds closed", "honest folded in round", "extensions", "lag median / p95 / max s",
-              "rate_limited", "coord. CPU s", "coord. log lines", "broker dropped", "load before/after"]
-    rows = [[f"{r['flood_rate']} ({r['flood_rate_achieved']})", f"{r['rounds_closed']}/{r['rounds']}", f"{r['honest_folded_in_round']}/{r['honest_sent']}",
+    header = ["flood msg/s (achieved)", "rounds closed", "honest folded in round", "extensions",
+              "lag median / p95 / max s", "rate_limited", "coord. CPU s", "coord. log lines", "broker dropped",
+              "load before/after"]
+    rows = [[f"{r['flood_rate']} ({r['flood_rate_achieved']})", f"{r['rounds_closed']}/{r['rounds']}",
+             f"{r['honest_folded_in_round']}/{r['honest_sent']}",
              r["extensions"], f"{r['lag_median_s']} / {r['lag_p95_s']} / {r['lag_max_s']}", r["rate_limited"],
              r["coordinator_cpu_s"], r["coordinator_log_lines"], r["broker_dropped"],
              f"{r['load_1min_before']}/{r['load_1min_after']}"] for r in results]
