@@ -321,6 +321,9 @@ class Coordinator:
             raise WireError("bad_message", f"presence must be online or offline, got {len(status)} other bytes")
         (self.online.add if status == b"online" else self.online.discard)(device)
         self._state_dirty = True
+        if status != b"online" and device in self.round.invited and self.strategy.collecting and \
+                device not in self.strategy.answered(self.round.folded.keys()):
+            self._lapsed.add(device)  # it declined, or dropped out: the next top-up invites another
 
     def _on_update(self, device: str, payload: bytes, now: float) -> list[Outgoing]:
         self.round.bytes_received += len(payload)
@@ -505,18 +508,16 @@ class Coordinator:
             self._backoff_dirty |= self.backoff.answered(device)
 
     def _lapse(self, now: float) -> None:
-        """Give up the invitations that will not be answered, so that _top_up invites the next devices in their
-        place: the device went offline (it declined, or dropped out) or sent nothing within --answer-timeout
-        of its invitation (a miss: it sits out its next rounds, fedper/selection.py). A lapsed device stays
-        invited: its update is still accepted if it comes."""
+        """Give up the invitations not answered within --answer-timeout (a miss: the device sits out its next
+        rounds, fedper/selection.py), so that _top_up invites the next devices in their place; `_on_presence`
+        gives up those whose device says offline before delivering (no miss). A lapsed device stays invited:
+        its update is still accepted if it comes. Not after a restart's empty online set: only what is seen."""
         r = self.round
         if not self.strategy.collecting:
             return
-        waiting = r.invited - self._lapsed - self.strategy.answered(r.folded.keys())
-        for device in waiting - self._answered:
-            if device not in self.online:
-                self._lapsed.add(device)
-            elif now - self._invited_at.setdefault(device, now) >= self.answer_timeout:
+        waiting = r.invited - self._lapsed - self._answered - self.strategy.answered(r.folded.keys())
+        for device in waiting:
+            if now - self._invited_at.setdefault(device, now) >= self.answer_timeout:
                 self._lapsed.add(device)
                 if self.backoff.missed(device, r.number):
                     self._backoff_dirty = True
@@ -524,7 +525,6 @@ class Coordinator:
                     self._log.log(now, device, "missed", logging.INFO, "round %d: %s did not answer its invitation "
                                   "within %.1f s (%d in a row): inviting another, it sits out %d round(s)", r.number,
                                   device, self.answer_timeout, misses, sit_out_rounds(misses))
-        self._lapsed |= (waiting & self._answered) - self.online  # it started, then went offline
 
     def _top_up(self, now: float) -> list[Outgoing]:
         """Invite eligible devices not invited yet, next in the seeded ranking, while fewer than ceil(F * M)

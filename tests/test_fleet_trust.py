@@ -158,6 +158,23 @@ def test_a_device_that_declines_is_replaced_at_once_without_a_miss(tmp_path: Pat
     assert c.backoff.misses == {}
 
 
+def test_a_restart_neither_lapses_invitations_before_presence_arrives_nor_forgets_the_backoff(tmp_path: Path) -> None:
+    """A restarted coordinator knows nobody online until the broker delivers the retained presence again; it
+    gives each open invitation a fresh --answer-timeout from its start, so nothing is replaced meanwhile."""
+    settings = {"clients_per_round": 2, "round_timeout": 60.0, "answer_timeout": 5.0, "selection_seed": 1}
+    c = make(tmp_path, **settings)
+    for device in ("a", "b", "c", "d"):
+        join(c, device)
+    invited = invited_in(c.tick(0.5))
+    assert len(invited) == 2
+    c = make(tmp_path, now=1.0, **settings)
+    assert c.round.invited == invited and invited_in(c.tick(1.0)) == set() and c.online == set()
+    for device in ("a", "b", "c", "d"):
+        c.handle(f"{BASE}/presence/{device}", b"online", 1.2)
+    assert invited_in(c.tick(5.5)) == set()  # 4.5 s after the restart: within the fresh timeout
+    assert len(invited_in(c.tick(6.5))) == 2 and all(c.backoff.misses[d] == (1, 1) for d in invited)
+
+
 # ---------------------------------------------------------------- item 5: live, a third-party silent device
 
 
