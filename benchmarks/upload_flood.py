@@ -14,9 +14,10 @@ phase lifts --max-uploads-per-round (the flood's every blob then reaches the eng
 Measured per phase: every honest update's lag, from the broker's PUBACK of its last chunk (at the
 device) to its fold (the coordinator's verbose log, milliseconds); whether it was folded in its round
 (else it was pushed past the deadline: refused `late_update` or missing); deadline extensions; the
-flood actually sent and its rate; the coordinator's `rate_limited` and `over_quota` counters and CPU
-seconds; whether Mosquitto dropped messages for the coordinator; the 1-minute load average before and
-after (this machine may be shared: compare phases within one run, not runs).
+flood the broker took (its PUBACKs at the flooder: paho queues what it cannot send) and that rate; the
+coordinator's `rate_limited` and `over_quota` counters, CPU and wall seconds; whether Mosquitto dropped
+messages for the coordinator; the 1-minute load average before and after (this machine may be shared:
+compare phases within one run, not runs).
 """
 
 from __future__ import annotations
@@ -154,13 +155,16 @@ def _flooder(port: int, rate: float, size: int, digest: str, started: Any, stop:
     client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="flooder", protocol=mqtt.MQTTv311)
     client.max_inflight_messages_set(0)  # no client-side limit: as fast as the broker takes them
     client.max_queued_messages_set(0)
-    topics, state = Topics(FLEET), {"round": 1}
+    topics, state = Topics(FLEET), {"round": 1, "acked": 0}
 
     def on_message(_client: Any, _userdata: Any, msg: Any) -> None:
         if msg.payload:
             state["round"] = json.loads(msg.payload)["round"]
 
-    client.on_message = on_message
+    def on_publish(*_args: Any) -> None:
+        state["acked"] += 1  # the broker took it (its PUBACK): paho may queue what it cannot send yet
+
+    client.on_message, client.on_publish = on_message, on_publish
     client.connect("127.0.0.1", port)
     client.loop_start()
     client.subscribe(topics.round, 1)
@@ -174,9 +178,10 @@ def _flooder(port: int, rate: float, size: int, digest: str, started: Any, stop:
             sent += 1
         time.sleep(max(0.0, begin + sent / rate - time.monotonic()))
     elapsed = time.monotonic() - begin
+    acked = state["acked"] - 1  # the registration's
     client.loop_stop()
     client.disconnect()
-    results.put({"sent": sent, "seconds": elapsed})
+    results.put({"sent": sent, "acked": acked, "seconds": elapsed})
 
 
 # ------------------------------------------------------------ one phase
@@ -239,7 +244,7 @@ def run_phase(rate: float, rounds: int, round_timeout: float, directory: Path, *
         coordinator.returncode = os.waitstatus_to_exitcode(status)
         log.close()
         stop.set()
-        flood = flood_results.get(timeout=60) if flooder else {"sent": 0, "seconds": 0.0}
+        flood = flood_results.get(timeout=60) if flooder else {"sent": 0, "acked": 0, "seconds": 0.0}
         devices = results.get(timeout=60)
     finally:
         stop.set()
@@ -268,8 +273,8 @@ def run_phase(rate: float, rounds: int, round_timeout: float, directory: Path, *
         "flood_rate": rate, "options": " ".join(options), "rounds": rounds, "rounds_closed": len(records),
         "finished": finished,
         "round_timeout_s": round_timeout,
-        "flood_sent": flood["sent"], "flood_rate_achieved": round(flood["sent"] / flood["seconds"], 1)
-        if flood["seconds"] else 0.0,
+        "flood_published": flood["sent"], "flood_acked": flood["acked"],
+        "flood_rate_achieved": round(flood["acked"] / flood["seconds"], 1) if flood["seconds"] else 0.0,
         "honest_sent": len(devices["acked"]), "honest_folded_in_round": len(set(devices["acked"]) & in_round),
         "honest_late": late, "device_errors": devices["errors"],
         "extensions": sum(r["deadline_extensions"] for r in records),
@@ -297,7 +302,7 @@ def run(out: Path, quick: bool) -> str:
             print(f"  flood {rate}/s {' '.join(options)} done", file=sys.stderr, flush=True)
     write_json(out, "upload_flood", {"honest_devices": HONEST, "chunk_size": CHUNK, "model_floats": FLOATS,
                                      "results": results})
-    header = ["flood msg/s (achieved)", "options", "rounds closed", "honest folded in round", "extensions",
+    header = ["flood msg/s (broker took)", "options", "rounds closed", "honest folded in round", "extensions",
               "lag median / p95 / max s", "rate_limited / over_quota", "coord. CPU / wall s", "coord. log lines",
               "broker dropped", "load before/after"]
     rows = [[f"{r['flood_rate']} ({r['flood_rate_achieved']})", r["options"] or "default",
