@@ -17,11 +17,12 @@ model after round k is exactly sum(n_j v_j) / sum(n_j) over the devices that met
 as round k's participants; a monitor client collects every round's model blob from the broker and
 the benchmark checks it against that mean (and that every participant did send).
 
-With F = 1.3 and 30 % of the invited vanishing, about 91 of 130 invited answer, fewer than M = 100:
-rounds close at their deadline (--min-clients 50), so round wall time is --round-timeout by design;
-`last_accept_s` (from the coordinator's state messages, 0.5 s apart) is when the round's last update
-was folded. Round 1 includes taking in the whole fleet's registrations; `steady` figures are rounds
-2 and later.
+With F = 1.3 and 30 % of the invited vanishing, about 91 of 130 invited answer, fewer than M = 100; each
+device that vanishes (its will says offline) or has not answered within --answer-timeout (half of
+--round-timeout) is replaced by the next in the ranking, so rounds close at M when the replacements
+answer in time, else at their deadline (--min-clients 50); `last_accept_s` (from the coordinator's
+state messages, 0.5 s apart) is when the round's last update was folded. Round 1 includes taking in
+the whole fleet's registrations; `steady` figures are rounds 2 and later.
 """
 
 from __future__ import annotations

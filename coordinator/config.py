@@ -15,6 +15,7 @@ from fedper.privacy import DEFAULT_DELTA
 from fedper.wire import DEFAULT_CHUNK_SIZE, MAX_SECAGG_NEIGHBOURS
 
 DEFAULT_MAX_SAMPLES_PER_DEVICE = 1_000_000  # a registration claiming more is refused (too_many_samples)
+DEFAULT_MAX_WEIGHT_RATIO = 10.0  # c: a device weighs at most c x the median registered n_samples in the mean
 AGGREGATOR_NAMES = ("mean", "median", "trimmed-mean")  # coordinator/strategies/mean.py's rules
 
 
@@ -64,10 +65,20 @@ class Selection(Group):
     selection_seed: int | None = option(
         None, "Seed of the invitations' ranking (fedper/selection.py); default: a secret drawn at start (a chosen "
               "one is public, refused under DP).", min=0)
+    answer_timeout: float | None = option(
+        None, "Seconds an invited device has to answer (its first update chunk, or its secure-aggregation keys) "
+              "before the next online device in the ranking is invited in its place; one that keeps not answering "
+              "sits out 1, 2, 4 ... 64 rounds (docs/scaling.md) (default: half of --round-timeout).", min=0.001)
 
     def __post_init__(self) -> None:
-        if self.clients_per_round is None and self.over_select != 1.0:
-            raise ValueError("--over-select needs --clients-per-round: without it every registered device takes part")
+        if self.clients_per_round is None:
+            given = [flag for flag, set_ in (("--over-select", self.over_select != 1.0),
+                                             ("--answer-timeout", self.answer_timeout is not None)) if set_]
+            if given:
+                raise ValueError(f"{given[0]} needs --clients-per-round: without it every registered device takes "
+                                 "part")
+        if self.answer_timeout is not None and not self.answer_timeout > 0:
+            raise ValueError(f"--answer-timeout must be > 0, got {self.answer_timeout}")
 
 
 @dataclass(frozen=True)
@@ -76,10 +87,16 @@ class Aggregation(Group):
     aggregator: str = option("mean", "mean (n_j-weighted, streaming), median or trimmed-mean.")
     clip_norm: float | None = option(None, "Clip each update's L2 distance to the model to this (with "
                                            "--dp-noise-multiplier: DP's clip norm C, required).", min=0.0)
+    max_weight_ratio: float = option(
+        DEFAULT_MAX_WEIGHT_RATIO, "c: in --aggregator mean a device weighs min(n_j, c x the median n_samples of the "
+                                  "devices registered when the round folds its first update); inf lifts the cap "
+                                  "(docs/reliability.md).", min=1.0)
 
     def __post_init__(self) -> None:
         if self.aggregator not in AGGREGATOR_NAMES:
             raise ValueError(f"--aggregator {self.aggregator!r}: choose one of {', '.join(AGGREGATOR_NAMES)}")
+        if not self.max_weight_ratio >= 1.0:  # NaN too
+            raise ValueError(f"--max-weight-ratio must be >= 1 (inf: no cap), got {self.max_weight_ratio}")
 
 
 @dataclass(frozen=True)
@@ -154,6 +171,9 @@ class Quotas(Group):
                                         "registration above is refused (too_many_samples).", min=1)
     max_uploads_per_device: int = option(
         2, "Partial uploads a device may have in flight; its newer one displaces its oldest.", min=1)
+    max_uploads_per_round: int = option(
+        16, "Update blobs a device may start in a round (an honest one starts one, and one per resend); beyond, "
+            "its update messages are dropped unread until the next round or attempt (over_quota).", min=1)
     max_upload_bytes_per_device: int | None = option(
         None, "Bytes a device's partial uploads may hold (default: two updates of the model).", min=1)
     max_reassembly_bytes: int | None = option(
@@ -166,8 +186,8 @@ class Quotas(Group):
                                  cli=False)
 
     def __post_init__(self) -> None:
-        if self.max_uploads_per_device < 1 or self.max_open_blobs < 1:
-            raise ValueError("--max-uploads-per-device and max_open_blobs must be >= 1")
+        if min(self.max_uploads_per_device, self.max_uploads_per_round, self.max_open_blobs) < 1:
+            raise ValueError("--max-uploads-per-device, --max-uploads-per-round and max_open_blobs must be >= 1")
 
 
 GROUPS: dict[str, type[Group]] = {"rounds": Rounds, "selection": Selection, "aggregation": Aggregation,

@@ -21,8 +21,10 @@ from typing import Any
 import numpy as np
 
 from fedper.coordinator.config import Config, Quotas
+from fedper.coordinator.logs import DeviceLog
 from fedper.coordinator.quota import BURST_SECONDS, MessageRateLimit
 from fedper.coordinator.store import (
+    BACKOFF_PREFIX,
     FINAL_FILE,
     CheckpointError,
     CoordinatorState,
@@ -34,7 +36,7 @@ from fedper.coordinator.store import (
 from fedper.coordinator.strategies import strategy_for
 from fedper.manifest import Manifest
 from fedper.payload import decode_shared, encode_shared
-from fedper.selection import check_seed, invitations, new_seed, select
+from fedper.selection import Backoff, check_seed, invitations, new_seed, select, sit_out_rounds
 from fedper.wire import (
     MAX_ERROR_TEXT,
     Chunk,
@@ -72,6 +74,7 @@ class Coordinator:
             check_seed(seed)
         if config.selection.clients_per_round is not None:
             self._invitations = invitations(config.selection.clients_per_round, config.selection.over_select)
+        self.answer_timeout = config.selection.answer_timeout or config.rounds.round_timeout / 2
         self.manifest, self.topics, self.config, self.store = manifest, topics, config, store
         self.strategy = strategy_for(config, manifest, store, topics, self)
         self.digest = manifest.base_digest
@@ -87,6 +90,16 @@ class Coordinator:
                                                         self.strategy.upload_size())
         self._rejected: dict[str, set[str]] = {}  # device -> blob ids refused (and answered) in the open round
         self._metas: dict[str, tuple[str, dict, UpdateMeta]] = {}  # device -> its blob's checked meta, this round
+        self._started: dict[str, set[str]] = {}  # device -> update blob ids it started in this round's attempt
+        self._muted: set[str] = set()  # devices past --max-uploads-per-round in this attempt
+        self._log = DeviceLog(log)  # per-device records at a bounded rate (coordinator/logs.py)
+        # liveness of the open round's invitations (--clients-per-round), in this process: restarts begin afresh
+        self.backoff = Backoff()  # devices that left invitations unanswered (fedper/selection.py), checkpointed
+        self._backoff_file: str | None = None
+        self._backoff_dirty = False
+        self._invited_at: dict[str, float] = {}  # device -> when this process invited it (or resumed)
+        self._answered: set[str] = set()  # invited devices that sent something for the open round
+        self._lapsed: set[str] = set()  # invitations given up: their places went to the next devices
         self._deadline = 0.0
         self._opened_at = 0.0
         self._broadcast_s = 0.0
@@ -128,8 +141,9 @@ class Coordinator:
         if fresh:
             self._model_file = self.store.write_tensors("model-r1.safetensors", self.model)
         selecting = self.selecting and not self.finished and not self.round.selected
+        self._invited_at = dict.fromkeys(self.round.invited, now)  # resumed: answer from now on
         if selecting:
-            self._select()
+            self._select(now)
         if fresh or selecting or self._registry_dirty:  # dirty here: a registry migrated out of state.json
             self._commit(registry=True)
         self._opened_at = now
@@ -152,6 +166,9 @@ class Coordinator:
             log.info("migrating %d registration(s) from %s into a registry file", len(self.registered), self.store.dir)
             self._registry_dirty = True
         self.counters = Counter(saved.counters)
+        if saved.backoff:
+            self.backoff = Backoff.from_json(self.store.read_registry(saved.backoff))
+            self._backoff_file = saved.backoff
         self.finished = saved.finished
         self.round = saved.round
         if not self.selecting:  # the open round keeps its invitations only when still selecting
@@ -175,10 +192,10 @@ class Coordinator:
         A message for `handle(..., admitted=True)`; one on a topic that is not a device's passes (handle
         refuses it)."""
         try:
-            _, device = self.topics.parse(topic)
+            kind, device = self.topics.parse(topic)
         except WireError:
             return True
-        return self._rate.admit(device, now)
+        return self._rate.admit(device, now, upload=kind == "update")
 
     def handle(self, topic: str, payload: bytes, now: float, *, admitted: bool = False) -> list[Outgoing]:
         """One incoming message; a bad one is refused before it changes anything, logged once, counted and
@@ -187,10 +204,10 @@ class Coordinator:
         device = None
         try:
             kind, device = self.topics.parse(topic)
-            if not admitted and not self._rate.admit(device, now):
+            if not admitted and not self._rate.admit(device, now, upload=kind == "update"):
                 return self._count_rate_limited(now)
             if kind == "register":
-                return self._on_register(device, payload)
+                return self._on_register(device, payload, now)
             if kind == "presence":
                 self._on_presence(device, payload)
                 return []
@@ -198,23 +215,26 @@ class Coordinator:
                 return self._on_update(device, payload, now)
             return self._on_strategy_message(kind, device, payload, now)
         except WireError as e:
-            return self._reject(device, e.code, str(e))
+            return self._reject(device, e.code, str(e), now)
         except CheckpointError:
             raise  # the service must stop unacknowledged: the broker redelivers to the restarted one
         except Exception as e:  # a bug must cost one message, never the service; the device hears of it
-            return self._reject(device, "internal_error", f"{type(e).__name__}: {e}", error=e)
+            return self._reject(device, "internal_error", f"{type(e).__name__}: {e}", now, error=e)
 
     def tick(self, now: float) -> list[Outgoing]:
         """Count the messages the rate limit dropped; close the round when it is complete or its deadline has
         passed with a quorum; checkpoint changed registrations (at most once per state_interval) and publish
         the state when it changed."""
         out = self._count_rate_limited(now)
+        self._log.flush(now)
         if not self.finished:
             out += self._advance(now)
         if self.selecting and not self.finished and now - self._last_top_up >= self.config.rounds.state_interval:
             self._last_top_up = now  # devices that come online within one interval are ranked together
-            out += self._top_up()
-        if self._registry_dirty and now - self._last_registry_commit >= self.config.rounds.state_interval:
+            self._lapse(now)
+            out += self._top_up(now)
+        dirty = self._registry_dirty or self._backoff_dirty
+        if dirty and now - self._last_registry_commit >= self.config.rounds.state_interval:
             self._last_registry_commit = now  # registrations are checkpointed at this pace, however often they
             self._commit(registry=True)  # change: a device re-registering in a loop must not buy an fsync each
         if self._state_dirty and now - self._last_state >= self.config.rounds.state_interval:
@@ -248,6 +268,7 @@ class Coordinator:
         self.strategy.open(self.round.number, self.model, finished=False)
         self._deadline = max(self._deadline, now + self.config.rounds.round_timeout)
         self._reassembler.discard()
+        self._new_attempt()
         self._state_dirty = True
         return [self._round_message()]
 
@@ -272,11 +293,12 @@ class Coordinator:
 
     # ------------------------------------------------------------ messages
 
-    def _on_register(self, device: str, payload: bytes) -> list[Outgoing]:
+    def _on_register(self, device: str, payload: bytes, now: float) -> list[Outgoing]:
         if not payload:  # the device cleared its retained registration: it left the fleet
             if self.registered.pop(device, None) is not None:
-                log.info("unregistered %s", device)
+                self._log.log(now, device, "unregistered", logging.INFO, "unregistered %s", device)
                 self._registry_dirty = self._state_dirty = True
+                self._backoff_dirty |= self.backoff.answered(device)  # forgotten with it
             return []
         msg = Register.decode(payload)  # every field checked: n_samples an integer in 1..2**53-1
         if msg.base_digest != self.digest:
@@ -287,7 +309,8 @@ class Coordinator:
                             f"--max-samples-per-device {self.config.quotas.max_samples_per_device}: not registered")
         entry = Registration(msg.n_samples, msg.software)  # replaces an earlier one: see docs/reliability.md
         if self.registered.get(device) != entry:
-            log.info("registered %s: %d samples, software %s", device, msg.n_samples, msg.software)
+            self._log.log(now, device, "registered", logging.INFO, "registered %s: %d samples, software %s", device,
+                          msg.n_samples, msg.software)
             self.registered[device] = entry
             self._registry_dirty = self._state_dirty = True
         return []
@@ -298,13 +321,21 @@ class Coordinator:
             raise WireError("bad_message", f"presence must be online or offline, got {len(status)} other bytes")
         (self.online.add if status == b"online" else self.online.discard)(device)
         self._state_dirty = True
+        if status != b"online" and device in self.round.invited and self.strategy.collecting and \
+                device not in self.strategy.answered(self.round.folded.keys()):
+            self._lapsed.add(device)  # it declined, or dropped out: the next top-up invites another
 
     def _on_update(self, device: str, payload: bytes, now: float) -> list[Outgoing]:
         self.round.bytes_received += len(payload)
+        if device in self._muted:  # a message admitted before it was muted: counted, dropped unread
+            self.counters["over_quota"] += 1
+            self.round.rejected["over_quota"] += 1
+            return []
         chunk = decode_chunk(payload)  # its declared size is checked below, once per blob
         if chunk.blob_id in self._rejected.get(device, ()):
             return []  # the rest of a blob already refused (and answered) once
         try:
+            self._start_upload(device, chunk.blob_id)
             registration = self.registered.get(device)
             if registration is None:
                 raise WireError("unknown_device", f"{device} has not registered: publish register/{device} first")
@@ -323,6 +354,7 @@ class Coordinator:
             if meta.n_samples != registration.n_samples:
                 raise WireError("n_samples_mismatch", f"the update claims {meta.n_samples} samples, {device} "
                                 f"registered {registration.n_samples}: re-register, then resend")
+            self._note_answer(device)
             blob = self._reassembler.add(device, chunk)
             if blob is None:
                 return []
@@ -357,16 +389,20 @@ class Coordinator:
         if self.selecting and device not in self.round.invited:
             raise WireError("not_invited", f"{device} is not invited to round {self.round.number}")
         out = self.strategy.on_message(device, kind, payload, now)
+        self._note_answer(device)
         self._state_dirty = True  # at most one state message per state_interval
         return out + self._settle(now)
 
-    def _reject(self, device: str | None, code: str, message: str, error: Exception | None = None) -> list[Outgoing]:
-        """Count, log (one record, with the traceback of an internal `error`) and answer a refused message;
-        a topic that names no device has nobody to answer."""
+    def _reject(self, device: str | None, code: str, message: str, now: float,
+                error: Exception | None = None) -> list[Outgoing]:
+        """Count, log (one record, with the traceback of an internal `error`; at most LOG_BURST a device per
+        LOG_WINDOW_S, then a summary: coordinator/logs.py) and answer a refused message; a topic that names
+        no device has nobody to answer."""
         self.counters[code] += 1
         self.round.rejected[code] += 1
         self._state_dirty = True
-        log.warning("rejected %s from %s: %s", code, device or "?", message, exc_info=error)
+        self._log.log(now, device or "?", f"rejected {code}", logging.WARNING, "rejected %s from %s: %s", code,
+                      device or "?", message, exc_info=error)
         if device is None:
             return []
         answer = ErrorMessage(code, message[:MAX_ERROR_TEXT], self.round.number)
@@ -387,9 +423,36 @@ class Coordinator:
         rate = quotas.max_messages_per_second
         return reassembler, MessageRateLimit(rate, burst=max(BURST_SECONDS * rate, 2 * upload + 16))
 
+    def _start_upload(self, device: str, blob_id: str) -> None:
+        """Count the update blobs (any blob id, refused ones too) the device started in this attempt of the
+        round; past --max-uploads-per-round it is answered once and muted: its uploads are dropped unread (by
+        `admit` in the network thread, here for those admitted before) until the next attempt. A device
+        opening uploads it never finishes then costs a set lookup a message, not a decode."""
+        started = self._started.setdefault(device, set())
+        if blob_id in started:
+            return
+        quota = self.config.quotas.max_uploads_per_round
+        if len(started) >= quota:
+            self._muted.add(device)
+            self._rate.mute(device)
+            raise WireError("over_quota", f"{device} started {quota} update blobs in round {self.round.number} "
+                            f"(--max-uploads-per-round): its update messages are dropped until the next round")
+        started.add(blob_id)
+
+    def _new_attempt(self) -> None:
+        """A round (or a new attempt at it) opens: upload quotas start afresh."""
+        self._started.clear()
+        self._muted.clear()
+        self._rate.unmute_all()
+
     def _count_rate_limited(self, now: float) -> list[Outgoing]:
         """Messages dropped unread since the last call (here or by `admit` in the service's network thread):
-        all counted; logged and answered once per report window per device."""
+        all counted; logged and answered once per report window per device. Uploads of a muted device are
+        counted as over_quota (the device was answered when it was muted)."""
+        for count in self._rate.take_muted().values():
+            self.counters["over_quota"] += count
+            self.round.rejected["over_quota"] += count
+            self._state_dirty = True
         out: list[Outgoing] = []
         for device, count in self._rate.take_dropped().items():
             self.counters["rate_limited"] += count
@@ -423,42 +486,69 @@ class Coordinator:
         refused.add(blob_id)
 
     # ------------------------------------------------------------ selection (--clients-per-round)
-    # ------------------------------------------------------------ selection (--clients-per-round)
 
-    def _select(self) -> None:
-        """The opening selection of the (new) open round, among the devices registered and online now; the
-        caller checkpoints it. Fewer than ceil(F * M) of them: _top_up invites more as they come online."""
+    def _select(self, now: float) -> None:
+        """The opening selection of the (new) open round, among the eligible devices (registered, online, not
+        sitting out a backoff); the caller checkpoints it. Fewer than ceil(F * M) of them: _top_up invites
+        more as they come online or as invitations lapse."""
         r = self.round
         r.selected, r.invite_cap, r.seed = True, self._invitations, self._seed
         r.invited = set(select(self._eligible(), r.invite_cap, seed=r.seed, round_=r.number))
+        self._invited_at = dict.fromkeys(r.invited, now)
         log.info("round %d: invited %d of %d device(s) online", r.number, len(r.invited), len(self.online))
 
     def _eligible(self) -> set[str]:
-        return self.online & self.registered.keys()
+        eligible = self.online & self.registered.keys()
+        return eligible - self.backoff.sitting_out(self.round.number) if self.backoff.misses else eligible
 
-    def _top_up(self) -> list[Outgoing]:
-        """Invite eligible devices not invited yet, next in the seeded ranking, while the round has room;
-        checkpointed before the invitations go out, so a restart re-sends the same ones."""
+    def _note_answer(self, device: str) -> None:
+        """The device sent something valid for the open round: it is alive, and its backoff is over."""
+        if self.selecting:
+            self._answered.add(device)
+            self._backoff_dirty |= self.backoff.answered(device)
+
+    def _lapse(self, now: float) -> None:
+        """Give up the invitations not answered within --answer-timeout (a miss: the device sits out its next
+        rounds, fedper/selection.py), so that _top_up invites the next devices in their place; `_on_presence`
+        gives up those whose device says offline before delivering (no miss). A lapsed device stays invited:
+        its update is still accepted if it comes. Not after a restart's empty online set: only what is seen."""
         r = self.round
-        room = r.invite_cap - len(r.invited)
+        if not self.strategy.collecting:
+            return
+        waiting = r.invited - self._lapsed - self._answered - self.strategy.answered(r.folded.keys())
+        for device in waiting:
+            if now - self._invited_at.setdefault(device, now) >= self.answer_timeout:
+                self._lapsed.add(device)
+                if self.backoff.missed(device, r.number):
+                    self._backoff_dirty = True
+                    misses = self.backoff.misses[device][0]
+                    self._log.log(now, device, "missed", logging.INFO, "round %d: %s did not answer its invitation "
+                                  "within %.1f s (%d in a row): inviting another, it sits out %d round(s)", r.number,
+                                  device, self.answer_timeout, misses, sit_out_rounds(misses))
+
+    def _top_up(self, now: float) -> list[Outgoing]:
+        """Invite eligible devices not invited yet, next in the seeded ranking, while fewer than ceil(F * M)
+        invitations are live (not lapsed); checkpointed before the invitations go out, so a restart re-sends
+        the same ones."""
+        r = self.round
+        room = r.invite_cap - len(r.invited - self._lapsed)
         if room <= 0:
             return []
         chosen = select(self._eligible() - r.invited, room, seed=self._seed, round_=r.number)
         if not chosen:
             return []
         r.invited.update(chosen)
+        self._invited_at.update(dict.fromkeys(chosen, now))
         self._commit()
-        log.info("round %d: invited %d more device(s) that came online [%d/%d]", r.number, len(chosen),
-                 len(r.invited), r.invite_cap)
+        log.info("round %d: invited %d more device(s) [%d live of %d, %d lapsed]", r.number, len(chosen),
+                 len(r.invited - self._lapsed), r.invite_cap, len(self._lapsed))
         return [self._invitation(device) for device in chosen]
 
     def _replace_dropouts(self) -> None:
-        """At an extension (the deadline passed below --min-clients): make room for as many new invitations
-        as invited devices went offline without answering, so the round still has ceil(F * M) that may answer.
-        A dropout stays invited: its update is accepted if it comes back."""
+        """At an extension (the deadline passed below --min-clients): every invitation not delivered yet lapses
+        (without a miss: it may have started), so the round invites ceil(F * M) more that may answer."""
         r = self.round
-        live = len(r.invited & (r.folded.keys() | self.online))
-        r.invite_cap = max(r.invite_cap, len(r.invited) + self._invitations - live)
+        self._lapsed |= r.invited - self.strategy.answered(r.folded.keys())
         self._last_top_up = -1e18  # top up at once
 
     # ------------------------------------------------------------ rounds
@@ -477,11 +567,13 @@ class Coordinator:
         record.update(self.strategy.record(closed, last))  # a DP strategy then adapts its clip norm
         self.finished = last or self.strategy.stopped
         self.round = RoundRecord(closed.number if self.finished else closed.number + 1)
+        self._answered, self._lapsed = set(), set()
         if self.selecting and not self.finished:
-            self._select()
+            self._select(now)
         self._reassembler.discard()
         self._rejected.clear()
         self._metas.clear()
+        self._new_attempt()
         self._model_file = self.store.write_tensors(f"model-r{closed.number + 1}.safetensors", self.model)
         self.strategy.open(self.round.number, self.model, self.finished)
         if self.finished:
@@ -527,8 +619,12 @@ class Coordinator:
                 {device: asdict(entry) for device, entry in self.registered.items()})
             self._written_registry = dict(self.registered)
             self._registry_dirty = False
+        if registry and self._backoff_dirty:  # as the registry: O(devices backed off), not in every commit
+            misses = self.backoff.to_json()
+            self._backoff_file = self.store.write_registry(misses, BACKOFF_PREFIX) if misses else None
+            self._backoff_dirty = False
         CoordinatorState(self.digest, self._model_file, self.round, self.counters, self.finished,
-                         self._registry_file, self.strategy.checkpoint()).write(self.store)
+                         self._registry_file, self.strategy.checkpoint(), backoff=self._backoff_file).write(self.store)
         self._state_dirty = True
 
     # ------------------------------------------------------------ outgoing

@@ -2,7 +2,9 @@
 
 The one thread-safe part of the coordinator: the service calls `admit` from paho's network thread, so
 a flood is dropped as it arrives, and the engine counts and reports the drops (at most once per
-REPORT_EVERY_S per device, so a flood cannot become a flood of log lines). docs/reliability.md.
+REPORT_EVERY_S per device, so a flood cannot become a flood of log lines). The engine may also mute a
+device's uploads (it opened more update blobs in a round than --max-uploads-per-round): they are then
+dropped here too, unread, until the engine unmutes it. docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -39,12 +41,35 @@ class MessageRateLimit:
         self._buckets: dict[str, _Bucket] = {}
         self._swept_at = float("-inf")
         self._uncounted: Counter[str] = Counter()  # drops per device that `take_dropped` has not handed out
+        self._muted: set[str] = set()  # devices whose uploads are dropped whatever the rate
+        self._muted_drops: Counter[str] = Counter()  # their uploads dropped, not handed out yet
         self._lock = threading.Lock()
 
-    def admit(self, device: str, now: float) -> bool:
-        """Whether this message of `device` may be handled; False: drop it unread (and count it)."""
+    def admit(self, device: str, now: float, upload: bool = False) -> bool:
+        """Whether this message of `device` may be handled; False: drop it unread (and count it). `upload`:
+        it is an update chunk, also dropped (after the rate's check) while the device is muted."""
         with self._lock:
-            return self._admit(device, now)
+            if not self._admit(device, now):
+                return False
+            if upload and device in self._muted:
+                self._muted_drops[device] += 1
+                return False
+            return True
+
+    def mute(self, device: str) -> None:
+        """Drop the device's uploads from now on, until `unmute_all`."""
+        with self._lock:
+            self._muted.add(device)
+
+    def unmute_all(self) -> None:
+        with self._lock:
+            self._muted.clear()
+
+    def take_muted(self) -> dict[str, int]:
+        """The uploads of muted devices dropped per device since the last call."""
+        with self._lock:
+            dropped, self._muted_drops = dict(self._muted_drops), Counter()
+            return dropped
 
     def _admit(self, device: str, now: float) -> bool:
         bucket = self._buckets.get(device)

@@ -3,7 +3,9 @@
 One thread owns the engine, so it needs no locks; only the per-device rate limit (Coordinator.admit)
 runs in paho's network thread, so a flood is dropped before it is queued. A QoS 1 message is
 acknowledged after it was handled (an accepted update after its checkpoint), so a kill before that
-makes the broker redeliver it (docs/reliability.md).
+makes the broker redeliver it (docs/reliability.md). The engine's thread never waits for the broker
+but at the very end: under a flood the broker's acknowledgement of a model broadcast came 30-76 s late,
+and a thread waiting for it let the round's deadline pass unhandled.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import json
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import paho.mqtt.client as mqtt
 
@@ -45,6 +49,7 @@ def run_service(
                          manual_ack=True)
     subscriptions = [(f"{topics.base}/{kind}/+", 1) for kind in coordinator.strategy.kinds]
     started = False
+    broadcast = _Broadcast()
     try:
         with Session(client, broker, subscriptions, log=log.warning,
                      admit=lambda topic: coordinator.admit(topic, time.time())) as session:
@@ -62,7 +67,7 @@ def run_service(
                     session.ack(event)  # only now: an accepted update is checkpointed before the broker forgets it
                 if started:
                     out += coordinator.tick(now)
-                    _publish(client, coordinator, out, wait_all=coordinator.finished)
+                    _publish(client, coordinator, out, broadcast, wait_all=coordinator.finished)
                     if on_tick:
                         on_tick(coordinator)
                     if coordinator.finished:  # the final model and state are out and acknowledged
@@ -71,20 +76,33 @@ def run_service(
         stop.set()
 
 
-def _publish(client: mqtt.Client, coordinator: Coordinator, messages: list[Outgoing], wait_all: bool = False) -> None:
-    """Publish in order; time the round's model broadcast until the broker acknowledged it."""
-    started = time.perf_counter()
-    pending = []
+@dataclass
+class _Broadcast:
+    """The model broadcast in flight: when it was published, and its messages the broker has not acknowledged."""
+
+    started: float = 0.0
+    pending: deque[mqtt.MQTTMessageInfo] = field(default_factory=deque)
+
+
+def _publish(client: mqtt.Client, coordinator: Coordinator, messages: list[Outgoing], broadcast: _Broadcast,
+             wait_all: bool = False) -> None:
+    """Publish in order without waiting (but for everything with `wait_all`: the run is over); the round's
+    model broadcast is timed until the broker acknowledged it, as seen at this call or a later one."""
     coordinator.note_sent(sum(len(m.payload) for m in messages))
-    for m in messages:
-        info = client.publish(m.topic, m.payload, qos=m.qos, retain=m.retain)
-        if m.broadcast or wait_all:
-            pending.append(info)
-    for info in pending:
-        try:
-            info.wait_for_publish(PUBLISH_WAIT_S)
-        except (RuntimeError, ValueError) as e:  # not connected: paho resends after reconnecting
-            log.warning("model broadcast not acknowledged yet: %s", e)
-            break
-    if pending:
-        coordinator.note_broadcast(time.perf_counter() - started)
+    sent = [(m, client.publish(m.topic, m.payload, qos=m.qos, retain=m.retain)) for m in messages]
+    chunks = [info for m, info in sent if m.broadcast]
+    if chunks and not broadcast.pending:
+        broadcast.started = time.perf_counter()
+    broadcast.pending.extend(chunks)
+    if wait_all:
+        for _, info in sent:
+            try:
+                info.wait_for_publish(PUBLISH_WAIT_S)
+            except (RuntimeError, ValueError) as e:  # not connected: paho resends after reconnecting
+                log.warning("final messages not acknowledged yet: %s", e)
+                break
+    was_pending = bool(broadcast.pending)
+    while broadcast.pending and broadcast.pending[0].is_published():  # acknowledged in order, or nearly
+        broadcast.pending.popleft()
+    if was_pending and not broadcast.pending:
+        coordinator.note_broadcast(time.perf_counter() - broadcast.started)

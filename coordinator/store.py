@@ -28,6 +28,7 @@ METRICS_FILE = "metrics.jsonl"
 FINAL_FILE = "final.safetensors"
 REGISTRY_PREFIX = "registry-"
 SLOT_PREFIX = "slot-"  # slot-N.bin: an accepted update's blob, in a file reused from update to update
+BACKOFF_PREFIX = "backoff-"  # fedper.selection.Backoff: devices that left invitations unanswered
 STATE_VERSION = 2  # 2: the strategy's part under "strategy"; earlier files (no "version") are migrated on reading
 
 
@@ -91,13 +92,14 @@ class CoordinatorState:
     registry: str | None  # the registry file; None: nobody registered
     strategy: dict[str, Any]  # the strategy's own part (coordinator/strategies/base.py)
     inline_registry: dict[str, Any] | None = None  # a version-0 file's registrations, to be moved into a file
+    backoff: str | None = None  # the backoff file (selection); None: no device is backed off
     version: int = STATE_VERSION
 
     def write(self, store: Store) -> None:
         """Commit: state.json names exactly the files that stay."""
         store.commit({"version": self.version, "base_digest": self.base_digest, "model": self.model,
                       "round": self.round.to_json(), "counters": dict(self.counters), "finished": self.finished,
-                      "registry": self.registry, "strategy": self.strategy})
+                      "registry": self.registry, "strategy": self.strategy, "backoff": self.backoff})
 
     @classmethod
     def read(cls, store: Store) -> CoordinatorState | None:
@@ -114,7 +116,7 @@ class CoordinatorState:
                                          "updates": body.get("updates", {})}}
         return cls(body.get("base_digest", ""), body["model"], RoundRecord.from_json(body["round"]),
                    dict(body["counters"]), body["finished"], body.get("registry"), body["strategy"],
-                   inline_registry=body["registered"] if version == 0 else None)
+                   inline_registry=body["registered"] if version == 0 else None, backoff=body.get("backoff"))
 
 
 class CheckpointError(RuntimeError):
@@ -145,15 +147,16 @@ class Store:
         with _writing(path):
             checkpoint.write_json(path, state, indent=1)
         keep = set(_file_refs(state))
-        for path in [*self.dir.glob("*.safetensors"), *self.dir.glob(f"{REGISTRY_PREFIX}*.json")]:
+        named = [path for prefix in (REGISTRY_PREFIX, BACKOFF_PREFIX) for path in self.dir.glob(f"{prefix}*.json")]
+        for path in [*self.dir.glob("*.safetensors"), *named]:
             if path.name not in keep and path.name != FINAL_FILE:
                 path.unlink(missing_ok=True)
 
-    def write_registry(self, registry: Mapping[str, Any]) -> str:
-        """`registry` as a file named by its content, for a later commit to name; a registry already
-        written (the same content) is not written again."""
+    def write_registry(self, registry: Mapping[str, Any], prefix: str = REGISTRY_PREFIX) -> str:
+        """`registry` (or another JSON object of the fleet's size, named by `prefix`) as a file named by its
+        content, for a later commit to name; one already written (the same content) is not written again."""
         data = json.dumps(registry, sort_keys=True, separators=(",", ":")).encode()
-        path = self.dir / f"{REGISTRY_PREFIX}{hashlib.sha256(data).hexdigest()[:16]}.json"
+        path = self.dir / f"{prefix}{hashlib.sha256(data).hexdigest()[:16]}.json"
         if not path.exists():
             with _writing(path):
                 checkpoint.atomic_write(path, data)
@@ -210,5 +213,6 @@ def _file_refs(state: dict[str, Any]) -> list[str]:
         return [r for v in state.values() for r in _file_refs(v)]
     if isinstance(state, list):
         return [r for v in state for r in _file_refs(v)]
-    named = isinstance(state, str) and (state.endswith(".safetensors") or state.startswith(REGISTRY_PREFIX))
+    named = isinstance(state, str) and (state.endswith(".safetensors") or state.startswith((REGISTRY_PREFIX,
+                                                                                              BACKOFF_PREFIX)))
     return [state] if named else []

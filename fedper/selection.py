@@ -19,6 +19,12 @@ that of its own rounds, unsampled (docs/privacy.md). With a secret seed the keys
 ranking, so a round's M invitations among N candidates are a uniformly random M-subset: sampling without
 replacement, which `fedper.privacy.PrivacyAccountant(sampling="fixed")` accounts. `check_seed` refuses a
 seed too small to be secret; the emulator, which has no device to hide from, uses its run's seed.
+
+Liveness is what a device does, not what it says: a retained presence `online` stays online after the
+device died if it set no last will. An invitation the device leaves unanswered (the coordinator gives
+it --answer-timeout) is a miss; `Backoff` keeps the misses in a row, and a device with k of them sits
+out the next `sit_out_rounds(k)` = 2^(k-1) rounds (at most MAX_SIT_OUT_ROUNDS): invited less and less,
+never dropped for good, and back to normal as soon as it answers once.
 """
 
 from __future__ import annotations
@@ -27,12 +33,15 @@ import hashlib
 import heapq
 import math
 import secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import Any
 
 DOMAIN = b"fedper-selection-v1"  # keys of this rule never collide with another use of SHA-256 on the same ids
 SEED_BITS = 128  # a secret seed's size: out of reach of guessing, as the DP noise secret
 MIN_SECRET_SEED = 1 << 64  # below it a seed is a small number someone chose, not a secret drawn at random
+MAX_SIT_OUT_ROUNDS = 64  # a device that never answers is still asked about once every 64 rounds
 
 
 def new_seed() -> int:
@@ -66,3 +75,40 @@ def select(candidates: Iterable[str], k: int, *, seed: int, round_: int) -> list
     """The k candidates (all, if fewer) with the smallest keys, in key order; ids are compared only to
     break a tie between equal keys, which SHA-256 makes as good as impossible."""
     return heapq.nsmallest(max(k, 0), set(candidates), key=lambda d: (selection_key(seed, round_, d), d))
+
+
+def sit_out_rounds(misses: int) -> int:
+    """Rounds a device sits out after `misses` unanswered invitations in a row: 1, 2, 4, ... at most
+    MAX_SIT_OUT_ROUNDS (0 without a miss)."""
+    return 0 if misses < 1 else min(1 << min(misses - 1, 62), MAX_SIT_OUT_ROUNDS)
+
+
+@dataclass
+class Backoff:
+    """Per device: unanswered invitations in a row and the round of the last one (JSON: `to_json`)."""
+
+    misses: dict[str, tuple[int, int]] = field(default_factory=dict)  # device -> (misses in a row, last round)
+
+    def missed(self, device: str, round_: int) -> bool:
+        """Count the device's invitation to `round_` unanswered (once per round); whether that is new."""
+        count, last = self.misses.get(device, (0, 0))
+        if last == round_:
+            return False
+        self.misses[device] = (count + 1, round_)
+        return True
+
+    def answered(self, device: str) -> bool:
+        """The device answered: its misses are forgotten; whether it had any."""
+        return self.misses.pop(device, None) is not None
+
+    def sitting_out(self, round_: int) -> set[str]:
+        """The devices not eligible in `round_`: missed in round r with k misses, it sits out r+1 .. r+2^(k-1)."""
+        return {device for device, (count, last) in self.misses.items()
+                if last < round_ <= last + sit_out_rounds(count)}
+
+    def to_json(self) -> dict[str, list[int]]:
+        return {device: [count, last] for device, (count, last) in sorted(self.misses.items())}
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> Backoff:
+        return cls({device: (int(count), int(last)) for device, (count, last) in body.items()})

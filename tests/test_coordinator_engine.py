@@ -492,25 +492,32 @@ def test_devices_that_come_online_top_the_round_up_to_its_invitations(tmp_path: 
     assert state["round"]["selection"]["invited"] == sorted(c.round.invited)  # checkpointed before sent
 
 
-def test_deadline_closes_with_min_clients_and_an_extension_replaces_dropouts(tmp_path: Path) -> None:
-    c = make(tmp_path, clients_per_round=3, min_clients=2, round_timeout=5.0)
+def test_dropouts_are_replaced_at_once_and_an_extension_replaces_every_invitation_not_delivered(tmp_path: Path) -> None:
+    """An invited device that goes offline (it declined, or dropped out) is replaced at the next top-up; when
+    the deadline passes below --min-clients, every invitation not delivered lapses and as many new devices are
+    invited. A lapsed device stays invited: its update is accepted if it comes."""
+    from fedper.selection import select
+
+    c = make(tmp_path, clients_per_round=3, min_clients=2, round_timeout=5.0, selection_seed=11)
     fleet(c, DEVICES[:3])
     invitations = sorted(invited_in(c.start(0.0)))
     assert invitations == DEVICES[:3]
     upload(c, invitations[0])
     for dropout in invitations[1:]:
         c.handle(f"fedper/v1/lab/presence/{dropout}", b"offline", 2.0)
-    fleet(c, DEVICES[3:5], now=3.0)
-    assert invited_in(c.tick(3.0)) == {}  # no room: dropouts are replaced only when the deadline passes
-    out = c.tick(6.0)  # 1 < --min-clients 2: extended, and two new devices invited in place of the dropouts
+    fleet(c, DEVICES[3:5], now=2.0)
+    assert sorted(invited_in(c.tick(2.0))) == DEVICES[3:5]  # in place of the two dropouts, at once
+    fleet(c, DEVICES[5:9], now=3.0)
+    assert invited_in(c.tick(3.0)) == {}  # 3 live invitations: no room
+    out = c.tick(6.0)  # 1 < --min-clients 2: extended; d03 and d04 sent nothing: two more in their place
     assert c.round.extensions == 1 and round_info(out)["deadline"] == 11.0
-    assert sorted(invited_in(out)) == DEVICES[3:5]
-    upload(c, DEVICES[3], now=7.0)
-    assert c.tick(8.0) == [] or c.round.number == 1  # 2 updates: a quorum, but not M, and the deadline is ahead
+    assert sorted(invited_in(out)) == sorted(select(DEVICES[5:9], 2, seed=11, round_=1))
+    upload(c, DEVICES[3], now=7.0)  # lapsed, still invited: accepted
+    assert "d03" in c.round.folded
     c.tick(11.5)
     assert c.round.number == 2
     record = json.loads((tmp_path / "metrics.jsonl").read_text())
-    assert record["participants"] == 2 and record["invited"] == 5 and record["deadline_extensions"] == 1
+    assert record["participants"] == 2 and record["invited"] == 7 and record["deadline_extensions"] == 1
 
 
 def test_without_clients_per_round_every_registered_device_takes_part_as_before(tmp_path: Path) -> None:

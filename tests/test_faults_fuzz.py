@@ -139,10 +139,12 @@ def test_fuzzing_a_live_coordinator_changes_nothing(mosquitto, tmp_path: Path, p
     manifest, initial = tiny_manifest(), tiny_tensors()
     artifacts = write_artifacts(tmp_path / "export", manifest, initial)
     state = tmp_path / "state"
-    # Every fuzz message must reach the validation it tests: the per-device rate limit (its own tests are in
-    # test_untrusted_live.py) is raised above what the fuzzer sends on a fast machine.
+    # Every fuzz message must reach the validation it tests: the per-device rate limit and the update blobs a
+    # device may start per round (their own tests are in test_untrusted_live.py and test_fleet_trust.py) are
+    # raised above what the fuzzer sends on a fast machine.
     coordinator = processes.start("coordinator", *coordinator_args(artifacts, mosquitto.url, state, FLEET, 2, 2, 60,
-                                                                   "--max-messages-per-second", "1000000"))
+                                                                   "--max-messages-per-second", "1000000",
+                                                                   "--max-uploads-per-round", "1000000"))
     answers = Recorder(mosquitto.host, mosquitto.port, f"{TOPICS.base}/error/#")
     good = [Device(mosquitto.url, "a", 10, 1.0, manifest, respond=False),
             Device(mosquitto.url, "b", 30, -2.0, manifest, respond=False)]

@@ -23,14 +23,18 @@ pytestmark = [
 def test_300_devices_three_rounds_every_accepted_update_is_in_the_aggregate(tmp_path: Path) -> None:
     """run_fleet raises unless every round's model is exactly the n_j-weighted mean of the participants
     metrics.jsonl lists, each of which sent its update for that round. Here also: each round invited
-    ceil(1.3 * 100) devices, took at least --min-clients of them, none that vanished, and every update
-    the broker acknowledged was either aggregated or refused as late (sent after its round closed)."""
+    ceil(1.3 * 100) devices and then one more for each that vanished or had not answered within
+    --answer-timeout, took at least --min-clients of them, none that vanished, and every update the
+    broker acknowledged was either aggregated or refused as late (sent after its round closed), but for
+    those of the last round's extra invitees still uploading when the coordinator finished."""
     result = fleet_scale.run_fleet(300, 3, floats=8192, workers=2, round_timeout=4.0, train_s=1.0,
                                    directory=tmp_path, timeout=120)
     assert result["aggregates_verified"] == 3
-    assert [r["invited"] for r in result["per_round"]] == [130, 130, 130]
-    assert all(r["participants"] >= fleet_scale.MIN_CLIENTS for r in result["per_round"])
+    rounds = result["per_round"]
+    assert all(130 <= r["invited"] <= 300 for r in rounds)
+    assert all(fleet_scale.MIN_CLIENTS <= r["participants"] <= fleet_scale.CLIENTS_PER_ROUND for r in rounds)
     errors = result["device_errors"]
     assert set(errors) <= {"late_update"}, errors
-    assert result["accepted_updates"] + errors.get("late_update", 0) == result["sent_updates"]
+    unanswered = result["sent_updates"] - result["accepted_updates"] - errors.get("late_update", 0)
+    assert 0 <= unanswered <= rounds[-1]["invited"] - rounds[-1]["participants"]
     assert result["coordinator_peak_rss_mib"] > 0 and result["cpu_s_per_round_steady"] > 0

@@ -350,7 +350,8 @@ def poisoning_manifest() -> Manifest:
         TensorSpec("head", (3, 2), "float32", "head", True, False)))
 
 
-DEFENCES = {"none (mean)": {}, "--clip-norm 1.5": {"clip_norm": 1.5}, "--aggregator median": {"aggregator": "median"},
+DEFENCES = {"none (mean, cap lifted)": {"max_weight_ratio": math.inf}, "mean, default weight cap": {},
+            "--clip-norm 1.5": {"clip_norm": 1.5}, "--aggregator median": {"aggregator": "median"},
             "--aggregator trimmed-mean": {"aggregator": "trimmed-mean"}}
 
 
@@ -359,8 +360,10 @@ def test_each_defence_bounds_a_poisoning_device(tmp_path: Path) -> None:
     honest devices' round step flipped and boosted 10x; once with the weight of an honest device (100
     samples), once registered at the default cap (1,000,000). 4 honest devices step by g + noise (|g| = 1).
     Measured: the round model's distance to the honest devices' mean, in units of the honest step. Without
-    a defence it follows the attacker; --clip-norm C bounds it by (C + step) whatever the claimed weight;
-    median and trimmed-mean keep every coordinate within the honest updates' range."""
+    a defence it follows the attacker; the default weight cap (10 x the median registered count, 100 here)
+    gives it a weight of at most 1,000, so the model is exactly (100 sum h_i + min(n, 1000) p) / (400 +
+    min(n, 1000)), recomputed here in float64; --clip-norm C bounds it by (C + step) whatever the claimed
+    weight; median and trimmed-mean keep every coordinate within the honest updates' range."""
     manifest = poisoning_manifest()
     rng = np.random.default_rng(16)
     base = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in manifest.shared_tensors}
@@ -387,8 +390,13 @@ def test_each_defence_bounds_a_poisoning_device(tmp_path: Path) -> None:
             result = flat(c.model)
             distance = float(np.linalg.norm(result - honest_mean)) / step
             table[attack, defence] = distance
-            if defence == "none (mean)":
+            if defence.startswith("none"):
                 assert distance > (2.0 if attacker_n == 100 else 10.0)
+            elif "cap" in defence:
+                weight = min(attacker_n, 10 * 100)
+                expected = (100 * stack.sum(axis=0) + weight * flat(poison)) / (400 + weight)
+                np.testing.assert_allclose(result, expected, rtol=1e-5, atol=1e-6)
+                assert distance < 8.0 if attacker_n > weight else distance > 2.0
             elif "clip" in defence:
                 assert distance <= (1.5 + step) / step
             else:

@@ -32,7 +32,8 @@ def strategy_for(config: Config, manifest: Manifest, store: Store, topics: Topic
                          root=load_root(Path(config.secure.identity_root)), min_group=config.secure.min_group)
     if budget is not None:
         return CentralDP(manifest, store, topics, fleet, budget)
-    return Mean(manifest, store, topics, fleet, config.aggregation.aggregator, config.aggregation.clip_norm)
+    return Mean(manifest, store, topics, fleet, config.aggregation.aggregator, config.aggregation.clip_norm,
+                config.aggregation.max_weight_ratio)
 
 
 def _budget(config: Config) -> PrivacyBudget | None:

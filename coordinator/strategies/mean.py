@@ -3,10 +3,18 @@
 Each accepted update is folded at once and checkpointed as its blob as received, in a reused slot file;
 every PARTIAL_EVERY updates the streaming rule's float64 sum is written instead and the slots it covers
 freed, so a restart resumes the sum bit for bit, then folds the blobs after it (docs/reliability.md).
+
+The weight cap (--max-weight-ratio c, the mean only): a device's weight is min(n_j, c x median), the
+median over the n_samples of the devices registered when the round folds its first update. Not the
+median of the round's contributors: a streaming fold cannot wait for the round to close, and the
+registered fleet is known before anything is folded, is no smaller than the round (it holds every
+possible contributor) and moves by at most one rank per device that lies. The cap is fixed for the
+round (checkpointed) and applied to the weight handed to the fold, never inside it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,16 +39,18 @@ class Mean(Strategy):
     """--aggregator over clear updates, each clipped to --clip-norm against the round's model when set."""
 
     def __init__(self, manifest: Manifest, store: Store, topics: Topics, fleet: Fleet, aggregator: str = "mean",
-                 clip_norm: float | None = None) -> None:
+                 clip_norm: float | None = None, max_weight_ratio: float = math.inf) -> None:
         super().__init__(manifest, store, topics, fleet)
         self.aggregator, self.clip_norm = aggregator, clip_norm
+        self.max_weight_ratio = max_weight_ratio if aggregator == "mean" else math.inf  # the robust rules ignore n_j
+        self.weight_cap: float | None = None  # the round's cap once its first update is folded (inf: none)
         self.partial: str | None = None  # the rule's float64 running sum, if one was written this round
         self.updates: dict[str, dict[str, Any]] = {}  # device -> the slot of its update (as received) after the partial
 
     def open(self, number: int, model: Mapping[str, np.ndarray], finished: bool) -> None:
         super().open(number, model, finished)
         self.rule = self._new_rule()
-        self.partial, self.updates = None, {}
+        self.partial, self.updates, self.weight_cap = None, {}, None
 
     def _new_rule(self) -> Any:
         return AGGREGATORS[self.aggregator]()
@@ -58,7 +68,7 @@ class Mean(Strategy):
         """Fold an update checked in full: the rule's add is all or nothing, then its checkpoint file is written."""
         tensors = self._prepared(decode_shared(self.manifest, blob, meta.codec, base=self.model))
         try:
-            self.rule.add(tensors, meta.n_samples)
+            self.rule.add(tensors, self._weight(meta.n_samples))
         except ValueError as e:
             raise WireError("rejected", f"the aggregation rule refused the update: {e}") from None
         if self._streaming() and len(self.updates) + 1 >= PARTIAL_EVERY:
@@ -69,6 +79,14 @@ class Mean(Strategy):
             self.updates[device] = self.store.write_slot(len(self.updates), blob)
         return True, []
 
+    def _weight(self, n_samples: int) -> float:
+        """The device's weight in the fold: n_j, at most the round's cap (set here, at the first fold)."""
+        if self.weight_cap is None:
+            counts = [entry.n_samples for entry in self.fleet.registered.values()]
+            finite = math.isfinite(self.max_weight_ratio) and counts
+            self.weight_cap = self.max_weight_ratio * float(np.median(counts)) if finite else math.inf
+        return min(n_samples, self.weight_cap)
+
     def _prepared(self, tensors: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
         """Clipped (with --clip-norm) against the round's model."""
         if self.clip_norm is not None:
@@ -78,14 +96,25 @@ class Mean(Strategy):
     def release(self, closed: RoundRecord) -> Release:
         return Release(self.rule.result())
 
+    def record(self, closed: RoundRecord, last: bool) -> dict[str, Any]:
+        """The weight cap and the devices it bounded (with --max-weight-ratio and the mean)."""
+        cap = self.weight_cap
+        if cap is None or not math.isfinite(cap):
+            return {}
+        return {"weight_cap": cap, "capped": sorted(d for d, f in closed.folded.items() if f.n_samples > cap)}
+
     def checkpoint(self) -> dict[str, Any]:
-        return {**super().checkpoint(), "partial": self.partial, "updates": dict(self.updates)}
+        cap = self.weight_cap if self.weight_cap is not None and math.isfinite(self.weight_cap) else None
+        return {**super().checkpoint(), "partial": self.partial, "updates": dict(self.updates), "weight_cap": cap}
 
     def resume(self, part: Mapping[str, Any], round_: RoundRecord, model: Mapping[str, np.ndarray],
                finished: bool) -> None:
         """The partial sum, then the blobs folded after it."""
         super().resume(part, round_, model, finished)
         self.rule, self.partial, self.updates = self._new_rule(), part.get("partial"), {}
+        self.weight_cap = part.get("weight_cap")  # None with updates folded: uncapped (lifted, or an earlier release)
+        if self.weight_cap is None and round_.folded:
+            self.weight_cap = math.inf
         if self.partial:
             self.rule = self._resumed(self.store.read_tensors(self.partial), part, round_)
         for device, kept in part.get("updates", {}).items():
@@ -93,11 +122,11 @@ class Mean(Strategy):
             blob = self.store.read_bytes(kept) if isinstance(kept, str) else self.store.read_slot(kept)
             self.updates[device] = self.store.write_slot(len(self.updates), blob) if isinstance(kept, str) else kept
             tensors = decode_shared(self.manifest, blob, base=self.model)
-            self.rule.add(self._prepared(tensors), round_.folded[device].n_samples)
+            self.rule.add(self._prepared(tensors), self._weight(round_.folded[device].n_samples))
 
     def _resumed(self, sums: dict[str, np.ndarray], part: Mapping[str, Any], round_: RoundRecord) -> Any:
         """The rule from its partial sum, which holds the folded updates not kept as blobs."""
         blobs = part.get("updates", {})
-        in_partial = [f.n_samples for device, f in round_.folded.items() if device not in blobs]
+        in_partial = [self._weight(f.n_samples) for device, f in round_.folded.items() if device not in blobs]
         dtypes = {t.name: t.dtype for t in self.manifest.shared_tensors}
         return WeightedMean.from_sums(sums, float(sum(in_partial)), len(in_partial), dtypes)
