@@ -239,3 +239,46 @@ def test_stale_updates_beyond_the_window_are_refused_through_the_broker(mosquitt
     for name, value in versions[11].items():
         np.testing.assert_allclose(final[name], value, rtol=1e-6, atol=1e-6)
     assert not math.isnan(float(final["stem.bias"][0]))
+
+
+def test_real_agents_run_asynchronous_versions(tmp_path: Path, tiny_artifacts: Path, mosquitto) -> None:
+    """Four onnxruntime-training agents (one with five times the data: slower), three training at once, a
+    version every 2 updates: every version holds 2 distinct updates of invited devices, devices train again
+    on later versions, and every agent ends with the final model."""
+    from helpers.processes import run_fleet
+
+    from fedper.data import load_digits
+    from fedper.edge.agent import Agent, AgentConfig
+
+    rounds, state = 4, tmp_path / "coordinator"
+    coordinator = subprocess.Popen(
+        [sys.executable, "-m", "fedper.coordinator.cli", "--artifacts", str(tiny_artifacts), "--fleet", "alive",
+         "--mode", "async", "--rounds", str(rounds), "--buffer-size", "2", "--clients-per-round", "3",
+         "--max-staleness", "3", "--round-timeout", "60", "--state-dir", str(state), "--broker", mosquitto.url],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    ds = load_digits(32).train
+    pool = np.flatnonzero(ds.y < 4)
+    agents, logs = [], {}
+    for j, count in enumerate((16, 16, 16, 80)):
+        idx = pool[100 * j: 100 * j + count]
+        data = tmp_path / f"device{j}.npz"
+        np.savez(data, x_train=ds.x[idx], y_train=ds.y[idx], classes=np.array(("0", "1", "2", "3")))
+        logs[f"dev{j}"] = []
+        agents.append(Agent(AgentConfig(artifacts=tiny_artifacts, data=data, broker=mosquitto.url, fleet="alive",
+                                        client_id=f"dev{j}", state_dir=tmp_path / f"dev{j}", batch_size=8, lr=0.05,
+                                        reconnect_spread_s=1.0), log=logs[f"dev{j}"].append))
+    run_fleet(coordinator, agents, 150, logs)
+    records = [json.loads(line) for line in (state / "metrics.jsonl").read_text().splitlines()]
+    assert [r["buffer"]["version"] for r in records] == list(range(2, rounds + 2))
+    folded = [u for r in records for u in r["buffer"]["updates"]]
+    assert all(len(r["buffer"]["updates"]) == 2 for r in records) and len(folded) == len(set(folded))
+    assert all(int(u.split("@")[1]) <= r["round"] for r in records for u in r["buffer"]["updates"])
+    counters = json.loads((state / "state.json").read_text())["counters"]
+    assert counters["accepted"] == 2 * rounds and counters.get("not_invited", 0) == 0, counters
+    trained = {name: sum("served accuracy" in line for line in lines) for name, lines in logs.items()}
+    assert max(trained.values()) >= 2, trained  # a device trained again on a later version
+    assert all(agent.final_accuracy is not None for agent in agents), logs
+    final = load_file(str(state / "final.safetensors"))
+    initial = load_file(str(tiny_artifacts / "base.safetensors"))
+    assert all(np.isfinite(v).all() for v in final.values())
+    assert max(float(np.abs(final[n] - initial[n]).max()) for n in final) > 1e-3  # the versions did train
