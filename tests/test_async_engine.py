@@ -113,6 +113,28 @@ def test_stale_future_and_repeated_updates_are_refused_with_their_codes(tmp_path
     assert not np.array_equal(c.model["stem.bias"], before["stem.bias"])
 
 
+def test_updates_trained_on_many_earlier_versions_are_formed_against_each(tmp_path: Path) -> None:
+    """More earlier versions in use than the strategy keeps decoded (CACHED_VERSIONS): each stale delta is still
+    formed against its own version's model, read back from its checkpoint (hand computation as above)."""
+    from fedper.coordinator.strategies.fedbuff import CACHED_VERSIONS
+
+    n_old = CACHED_VERSIONS + 3
+    c = make(tmp_path, rounds=2 * n_old + 2, buffer_size=1, max_staleness=2 * n_old)
+    register(c, {f"{kind}{i}": 10 for kind in "ds" for i in range(n_old + 1)})
+    models = {}
+    for version in range(1, n_old + 1):  # versions 2 .. n_old + 1, one update each
+        models[version] = copy(c.model)
+        assert send(c, f"d{version}", plus(c.model, 0.5), version, 10) == []
+    for i, version in enumerate([*range(n_old, 0, -1)]):  # then stale updates on each, newest to oldest
+        before = copy(c.model)
+        assert send(c, f"s{i}", plus(models[version], 1.0), version, 10) == [], version
+        staleness = c.round.number - 1 - version
+        for k in before:
+            delta = plus(models[version], 1.0)[k].astype(np.float64) - models[version][k]
+            expected = (before[k].astype(np.float64) + (1 + staleness) ** -0.5 * delta).astype(FLOAT)
+            np.testing.assert_array_equal(c.model[k], expected)
+
+
 def test_a_device_adds_one_update_to_a_version(tmp_path: Path) -> None:
     c = make(tmp_path, buffer_size=3)
     register(c, {"a": 10, "b": 10})

@@ -238,11 +238,13 @@ class FedBuff(Strategy):
         """The shared tensors of `version`: the open round's, or read back from its opening checkpoint."""
         if version == self.number:
             return self.model
-        if version not in self._models:
+        model = self._models.pop(version, None)
+        if model is None:
             if version not in self.versions:
                 raise WireError("stale_update", f"the model of round {version} is no longer kept")
             tensors = self.store.read_tensors(self.versions[version])
-            self._models[version] = {t.name: tensors[f"model/{t.name}"] for t in self.manifest.shared_tensors}
-            while len(self._models) > CACHED_VERSIONS:
-                del self._models[min(self._models)]
-        return self._models[version]
+            model = {t.name: tensors[f"model/{t.name}"] for t in self.manifest.shared_tensors}
+        self._models[version] = model  # the most recently used last
+        while len(self._models) > CACHED_VERSIONS:
+            del self._models[next(iter(self._models))]
+        return model
