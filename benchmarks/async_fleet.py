@@ -342,7 +342,7 @@ def run_scale(size: int, versions: int, directory: Path, floats: int = 100_000, 
     load_before = os.getloadavg()[0]
     context = mp.get_context("fork")
     ready, results, stop = context.Queue(), context.Queue(), context.Event()
-    workers = max(2, math.ceil(size / PER_WORKER))
+    workers = max(2, math.ceil(size / PER_WORKER), len(edges))  # each worker's devices on one broker
     shares = [list(range(size))[w::workers] for w in range(workers)]
     procs = [context.Process(target=fleet_scale._worker, args=("127.0.0.1", edges[w % len(edges)], share, floats,
                                                                train_s, 63 * 1024, ready, stop, results),

@@ -135,6 +135,18 @@ def test_updates_trained_on_many_earlier_versions_are_formed_against_each(tmp_pa
             np.testing.assert_array_equal(c.model[k], expected)
 
 
+def test_updates_after_the_last_version_are_refused(tmp_path: Path) -> None:
+    c = make(tmp_path, rounds=1, buffer_size=1)
+    register(c, {"a": 10, "b": 10})
+    assert send(c, "a", plus(c.model, 1.0), 1, 10) == [] and c.finished
+    final = load_file(str(tmp_path / FINAL_FILE))
+    assert send(c, "b", plus(c.model, 1.0), 1, 10) == ["late_update"]
+    c = make(tmp_path, rounds=1, buffer_size=1)  # also after a restart
+    assert send(c, "b", plus(c.model, 1.0), 1, 10) == ["late_update"]
+    assert len(records(tmp_path)) == 1 and load_file(str(tmp_path / FINAL_FILE))["stem.bias"].tobytes() == \
+        final["stem.bias"].tobytes()
+
+
 def test_a_device_adds_one_update_to_a_version(tmp_path: Path) -> None:
     c = make(tmp_path, buffer_size=3)
     register(c, {"a": 10, "b": 10})

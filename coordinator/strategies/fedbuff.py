@@ -68,6 +68,7 @@ class FedBuff(Strategy):
         self.partial: tuple[str, dict[str, Any]] | None = None  # the buffer's latest checkpoint: file, JSON
         self.updates: list[dict[str, Any]] = []  # the folds since that checkpoint, in order: device, round, slot
         self.released: Release | None = None
+        self.finished = False
         self._models: dict[int, Mapping[str, np.ndarray]] = {}  # a few older versions' models, as decoded
 
     # ------------------------------------------------------------ the round (one version)
@@ -75,6 +76,7 @@ class FedBuff(Strategy):
     def open(self, number: int, model: Mapping[str, np.ndarray], finished: bool) -> None:
         """Version `number` opens: the buffer starts empty (the first time, over `model`) and is checkpointed."""
         super().open(number, model, finished)
+        self.finished = finished
         self.released, self.updates, self.weight_cap = None, [], None
         if self.buffer is None:
             self.buffer = Buffer(self.config, model, number)
@@ -88,6 +90,8 @@ class FedBuff(Strategy):
         return max(1, number - self.config.max_staleness)
 
     def check(self, meta: UpdateMeta) -> None:
+        if self.finished:
+            raise WireError("late_update", f"the run is finished: round {self.number} was the last")
         if meta.round > self.number:
             raise WireError("late_update", f"update for round {meta.round}, but round {self.number} is open")
         if meta.round < self.oldest_round(self.number):
@@ -205,6 +209,7 @@ class FedBuff(Strategy):
                finished: bool) -> None:
         """The buffer from its latest checkpoint, then the blobs folded after it, folded again in order."""
         super().resume(part, round_, model, finished)
+        self.finished = finished
         if "buffer" not in part:
             raise ValueError(f"{self.store.dir} holds a run in synchronous rounds: resume it without --mode async, "
                              "or use a fresh --state-dir")
