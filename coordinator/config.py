@@ -11,6 +11,7 @@ import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar
 
+from fedper.buffered import STALENESS_KINDS, BufferConfig, Staleness
 from fedper.privacy import DEFAULT_DELTA
 from fedper.wire import DEFAULT_CHUNK_SIZE, MAX_SECAGG_NEIGHBOURS
 
@@ -59,7 +60,8 @@ class Selection(Group):
     title = "Selection (docs/scaling.md)"
     clients_per_round: int | None = option(
         None, "M: a round closes at M accepted updates (or at its deadline with --min-clients) and takes updates "
-              "only from the devices it invited (default: every registered device).", min=1)
+              "only from the devices it invited (default: every registered device). With --mode async: the devices "
+              "training at once.", min=1)
     over_select: float = option(1.0, "F: invite ceil(F * M) online devices per round, to absorb dropouts (with "
                                      "--clients-per-round).", min=1.0)
     selection_seed: int | None = option(
@@ -190,8 +192,45 @@ class Quotas(Group):
             raise ValueError("--max-uploads-per-device, --max-uploads-per-round and max_open_blobs must be >= 1")
 
 
+@dataclass(frozen=True)
+class Asynchronous(Group):
+    title = "Asynchronous rounds (FedBuff; docs/operations.md)"
+    mode: str = option("sync", "sync: a round waits for its devices (M, everyone, or its deadline). async: devices "
+                               "train at their own pace and a new model version is released every --buffer-size "
+                               "updates, each weighted by its staleness (coordinator/strategies/buffered.py).",
+                       flag="--mode")
+    buffer_size: int = option(10, "K: updates folded into each released version (--mode async).", min=1)
+    max_staleness: int = option(20, "Refuse an update trained on a version more than this many versions old "
+                                    "(stale_update) (--mode async).", min=0)
+    staleness: str = option("polynomial", "w(s), the weight of an update s versions old: polynomial (1+s)^-a, "
+                                          "constant 1, or hinge (1 up to b, then 1/(a(s-b)+1)) (--mode async).")
+    staleness_exponent: float = option(0.5, "a of --staleness (0.5: FedBuff's 1/sqrt(1+s)).", min=0.0)
+    staleness_hinge: int = option(0, "b of --staleness hinge: versions of staleness at full weight.", min=0)
+    server_lr: float = option(1.0, "Server step: version + server_lr x the buffered mean delta (--mode async).",
+                              min=0.0)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("sync", "async"):
+            raise ValueError(f"--mode {self.mode!r}: choose sync or async")
+        if self.staleness not in STALENESS_KINDS:
+            raise ValueError(f"--staleness {self.staleness!r}: choose one of {', '.join(STALENESS_KINDS)}")
+        self.buffer_config(None)  # the kernel's checks of K, the bound, a, b and the server step
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode == "async"
+
+    def buffer_config(self, clip_norm: float | None, aggregator: str = "mean",
+                      statistics: tuple[str, ...] = ()) -> BufferConfig:
+        """fedper.buffered's settings of the run (the buffer checks them)."""
+        return BufferConfig(self.buffer_size, self.max_staleness, self.server_lr,
+                            Staleness(self.staleness, self.staleness_exponent, self.staleness_hinge), aggregator,
+                            clip_norm, statistics)
+
+
 GROUPS: dict[str, type[Group]] = {"rounds": Rounds, "selection": Selection, "aggregation": Aggregation,
-                                  "privacy": Privacy, "secure": SecureAggregation, "quotas": Quotas}
+                                  "privacy": Privacy, "secure": SecureAggregation, "quotas": Quotas,
+                                  "asynchronous": Asynchronous}
 
 
 @dataclass(frozen=True)
@@ -204,10 +243,13 @@ class Config:
     privacy: Privacy = field(default_factory=Privacy)
     secure: SecureAggregation = field(default_factory=SecureAggregation)
     quotas: Quotas = field(default_factory=Quotas)
+    asynchronous: Asynchronous = field(default_factory=Asynchronous)
 
     def __post_init__(self) -> None:
         """What groups require of each other."""
         m, clip = self.selection.clients_per_round, self.aggregation.clip_norm
+        if self.asynchronous.enabled:
+            self._check_asynchronous()
         if m is not None and self.rounds.min_clients > m:
             raise ValueError(f"--min-clients {self.rounds.min_clients} is above --clients-per-round {m}: a round "
                              f"closes at --clients-per-round updates")
@@ -227,6 +269,19 @@ class Config:
         if self.privacy.adaptive_quantile is not None:
             raise ValueError("--dp-adaptive-clipping needs the count of unclipped updates, which secure aggregation "
                              "hides: use a fixed --clip-norm")
+
+    def _check_asynchronous(self) -> None:
+        """The combinations --mode async refuses, each with its reason (docs/privacy.md, docs/operations.md)."""
+        if self.secure.enabled:
+            raise ValueError("--mode async cannot run --secure-aggregation: a SecAgg+ session masks the inputs of "
+                             "one set of devices through stages in lockstep, while a buffer's updates arrive one at "
+                             "a time from different versions (FedBuff sums them in a trusted enclave)")
+        if self.privacy.adaptive_quantile is not None:
+            raise ValueError("--mode async uses a fixed --clip-norm under DP: --dp-adaptive-clipping is not "
+                             "implemented for buffered rounds")
+        if self.selection.over_select != 1.0:
+            raise ValueError("--over-select has no meaning with --mode async: --clients-per-round devices train at "
+                             "once, and one that drops out is replaced when its invitation lapses")
 
     @classmethod
     def of(cls, **options: Any) -> Config:

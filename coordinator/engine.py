@@ -173,6 +173,7 @@ class Coordinator:
         self.round = saved.round
         if not self.selecting:  # the open round keeps its invitations only when still selecting
             self.round.selected, self.round.invited, self.round.invite_cap = False, set(), 0
+            self.round.carried = {}
         self.strategy.resume(saved.strategy, self.round, self.model, self.finished)
         log.info("resumed from %s: round %d of %d, %d update(s) already accepted, %d device(s) registered",
                  self.store.dir, self.round.number, self.config.rounds.rounds, len(self.round.folded),
@@ -278,9 +279,10 @@ class Coordinator:
         if self.selecting:
             self._replace_dropouts()
         self._deadline = now + self.config.rounds.round_timeout
-        log.warning("round %d: deadline passed with %d/%d %s, fewer than --min-clients %d: waiting %.1f s more "
-                    "(extension %d)", self.round.number, done, self.invited_count, what, self.config.rounds.min_clients,
-                    self.config.rounds.round_timeout, self.round.extensions)
+        log.warning("round %d: deadline passed with %d/%d %s, fewer than the %d it closes with: waiting %.1f s more "
+                    "(extension %d)", self.round.number, done, self.invited_count, what,
+                    max(self.config.rounds.min_clients, self.strategy.quorum), self.config.rounds.round_timeout,
+                    self.round.extensions)
         self._state_dirty = True
         return [self._round_message()]
 
@@ -487,13 +489,15 @@ class Coordinator:
 
     # ------------------------------------------------------------ selection (--clients-per-round)
 
-    def _select(self, now: float) -> None:
+    def _select(self, now: float, carried: Mapping[str, int] | None = None) -> None:
         """The opening selection of the (new) open round, among the eligible devices (registered, online, not
-        sitting out a backoff); the caller checkpoints it. Fewer than ceil(F * M) of them: _top_up invites
-        more as they come online or as invitations lapse."""
+        sitting out a backoff), beside the invitations `carried` from earlier rounds; the caller checkpoints it.
+        Fewer than ceil(F * M) of them: _top_up invites more as they come online or as invitations lapse."""
         r = self.round
-        r.selected, r.invite_cap, r.seed = True, self._invitations, self._seed
-        r.invited = set(select(self._eligible(), r.invite_cap, seed=r.seed, round_=r.number))
+        r.selected, r.invite_cap, r.seed, r.carried = True, self._invitations, self._seed, dict(carried or {})
+        room = max(0, r.invite_cap - len(self.strategy.places(r.carried.keys(), set())))
+        r.invited = set(r.carried) | set(select(self._eligible() - r.carried.keys(), room, seed=r.seed,
+                                                round_=r.number))
         self._invited_at = dict.fromkeys(r.invited, now)
         log.info("round %d: invited %d of %d device(s) online", r.number, len(r.invited), len(self.online))
 
@@ -531,7 +535,7 @@ class Coordinator:
         invitations are live (not lapsed); checkpointed before the invitations go out, so a restart re-sends
         the same ones."""
         r = self.round
-        room = r.invite_cap - len(r.invited - self._lapsed)
+        room = r.invite_cap - len(self.strategy.places(r.invited - self._lapsed, r.folded.keys()))
         if room <= 0:
             return []
         chosen = select(self._eligible() - r.invited, room, seed=self._seed, round_=r.number)
@@ -569,13 +573,12 @@ class Coordinator:
         self.round = RoundRecord(closed.number if self.finished else closed.number + 1)
         self._answered, self._lapsed = set(), set()
         if self.selecting and not self.finished:
-            self._select(now)
-        self._reassembler.discard()
+            self._select(now, self._carried(closed))
         self._rejected.clear()
-        self._metas.clear()
         self._new_attempt()
         self._model_file = self.store.write_tensors(f"model-r{closed.number + 1}.safetensors", self.model)
         self.strategy.open(self.round.number, self.model, self.finished)
+        self._drop_uploads()
         if self.finished:
             self.store.write_tensors(FINAL_FILE, self.model)
         self._commit(registry=True)  # once a round, registrations changed since the last tick go with it
@@ -588,6 +591,27 @@ class Coordinator:
         stale = sorted(closed.invited - self.round.invited)  # retained invitations of the closed round
         cleared = [Outgoing(self.topics.invite(device), b"", retain=True) for device in stale]
         return cleared + self.announce(now)
+
+    def _carried(self, closed: RoundRecord) -> dict[str, int]:
+        """The closed round's invitations not answered yet (its own and those it carried) whose round the next
+        round still takes updates for (Strategy.oldest_round): they stay, each with its round."""
+        oldest = self.strategy.oldest_round(closed.number + 1)
+        waiting = closed.invited - self.strategy.answered(closed.folded.keys())
+        return {device: r for device in waiting if (r := closed.carried.get(device, closed.number)) >= oldest}
+
+    def _drop_uploads(self) -> None:
+        """A round opened: drop the partial uploads it does not take (every one after a synchronous round; a
+        buffered round still takes those for earlier rounds, which a release must not cost their devices)."""
+        if self.finished:
+            self._metas.clear()
+            self._reassembler.discard()
+            return
+        for device, (_, _, meta) in list(self._metas.items()):
+            try:
+                self.strategy.check(meta)
+            except WireError:
+                del self._metas[device]
+                self._reassembler.discard(device)
 
     def _metrics(self, closed: RoundRecord, now: float, aggregate_s: float) -> dict[str, Any]:
         accuracies = [f.metrics["accuracy"] for f in closed.folded.values() if "accuracy" in f.metrics]
@@ -666,7 +690,8 @@ class Coordinator:
         return Outgoing(self.topics.round, info.encode(), retain=True)
 
     def _invitation(self, device: str) -> Outgoing:
-        return Outgoing(self.topics.invite(device), Invitation(self.round.number).encode(), retain=True)
+        round_ = self.round.carried.get(device, self.round.number)
+        return Outgoing(self.topics.invite(device), Invitation(round_).encode(), retain=True)
 
     @property
     def invited_count(self) -> int:

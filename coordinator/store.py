@@ -61,10 +61,13 @@ class RoundRecord:
     invited: set[str] = field(default_factory=set)  # the devices it invited, the opening selection and top-ups
     invite_cap: int = 0  # invitations it may make: ceil(F * M), raised at an extension to replace dropouts
     seed: int = 0  # the seed its selection was ranked with (recorded, not read back: a restart keeps `invited`)
+    carried: dict[str, int] = field(default_factory=dict)  # invited devices still training on an earlier round's
+    # model, by that round (asynchronous rounds: Strategy.oldest_round); the others are invited to this round
 
     def to_json(self) -> dict[str, Any]:
+        carried = {"carried": dict(self.carried)} if self.carried else {}
         selection = {"selection": {"seed": self.seed, "invite_cap": self.invite_cap,
-                                   "invited": sorted(self.invited)}} if self.selected else {}
+                                   "invited": sorted(self.invited), **carried}} if self.selected else {}
         return {"number": self.number, "folded": {d: asdict(f) for d, f in self.folded.items()},
                 "bytes_received": self.bytes_received, "extensions": self.extensions,
                 "rejected": dict(self.rejected), **selection}
@@ -77,6 +80,7 @@ class RoundRecord:
             selection = body["selection"]
             record.selected, record.invite_cap = True, selection["invite_cap"]
             record.invited, record.seed = set(selection["invited"]), selection["seed"]
+            record.carried = {device: int(round_) for device, round_ in selection.get("carried", {}).items()}
         return record
 
 

@@ -181,6 +181,8 @@ class Event(Enum):
     UNINVITED = "uninvited"  # the open round's invitation was cleared
     BLOB = "blob"  # a model blob is complete
     RESEND = "resend"  # the coordinator has lost the saved update (unknown_device, bad_chunk)
+    RESEND_STALE = "resend stale"  # asynchronous rounds: RoundInfo came again while the saved update, of an earlier
+    # round the coordinator still takes, may have been lost (a restart or a reconnect of either side)
     RECHECK = "recheck"  # the back-off after failed conditions is over
     MODEL = "model"  # the model the phase waits for is here, decoded and checked
     # job results
@@ -198,6 +200,7 @@ class Step(Enum):
     TRAIN = "train"  # a TrainRound job
     SEND = "send"  # the update just trained: in the clear, or keys for the secure session
     SEND_AGAIN = "send again"  # the saved update, again
+    SEND_STALE = "send stale"  # the saved update of an earlier round, again, encoded against that round's model
     EVALUATE = "evaluate"  # an EvaluateFinal job
 
 
@@ -229,6 +232,7 @@ TRANSITIONS: dict[tuple[Phase, Event], tuple[Phase, tuple[Step, ...]]] = {
     (P.FINAL_DOWNLOAD, E.MODEL): (P.EVALUATING, (S.EVALUATE,)),
     **{(phase, E.RESEND): (phase, (S.ANNOUNCE, S.DECIDE)) for phase in WAITING},
     **{(phase, E.RESEND): (phase, (S.ANNOUNCE,)) for phase in BUSY},
+    **{(phase, E.RESEND_STALE): (phase, (S.SEND_STALE,)) for phase in WAITING},
     (P.CHECKING, E.CHECKED): (P.IDLE, (S.DECIDE,)),
     (P.TRAINING, E.TRAINED): (P.ANSWERED, (S.SEND,)),
     (P.TRAINING, E.TRAINED_LATE): (P.ANSWERED, (S.SEND, S.DECIDE)),
@@ -258,13 +262,14 @@ class AgentEngine:
         self.final_accuracy: float | None = None
         self._steps = {S.ANNOUNCE: self._announce, S.CHECK: self._check, S.DECIDE: self._decide,
                        S.FETCH: self._fetch, S.TRAIN: self._train, S.SEND: self._send,
-                       S.SEND_AGAIN: self._send_again, S.EVALUATE: self._evaluate}
+                       S.SEND_AGAIN: self._send_again, S.SEND_STALE: self._send_stale, S.EVALUATE: self._evaluate}
         self._now = 0.0
         self._models = Reassembler(max_blob_size(manifest), max_open_blobs=4)
         self._blob: Blob | None = None  # the newest complete model blob, until a RoundInfo names it
         self._model: RoundModel | None = None  # the open round's model, decoded
         self._round: RoundInfo | None = None  # the newest RoundInfo that passed its checks
         self._training: TrainRound | None = None  # the train job out, until its update is sent
+        self._kept: TrainRound | None = None  # asynchronous rounds: the job of the update sent last (its model)
         self._invited: int | None = None  # the round of this device's newest invitation
         self._eligible = not settings.conditions  # the conditions' last verdict: offline until first checked
         self._accepted: int | None = None  # the round the conditions were found to hold for: not checked again
@@ -372,6 +377,7 @@ class AgentEngine:
         if problem:
             self.log(f"ignored RoundInfo of round {info.round} ({info.state}): {problem}")
             return []
+        again = self._round is None or self._round.round == info.round  # (re)published, or the first seen
         self._round = info
         self._recheck_at = None  # a RoundInfo is a reason to look at the conditions again
         if info.state == "open" and not self._invited_to(info) and self._quiet != info.round:
@@ -382,7 +388,20 @@ class AgentEngine:
         # No update is acknowledged in v1: one sent while the coordinator or the broker was away may be
         # lost, so the saved update goes again whenever its round's RoundInfo is (re)published (after a
         # reconnect, a restart or an extension); the coordinator answers duplicate_update if it had it.
-        return self._step(self._situation())
+        # Asynchronous rounds take the saved update of an earlier round too: it goes again on the same occasions.
+        stale = self._step(E.RESEND_STALE) if again and self._lost_stale(info) else []
+        return stale + self._step(self._situation())
+
+    def _lost_stale(self, info: RoundInfo) -> bool:
+        """Whether the saved update is of an earlier round that `info` (asynchronous: max_staleness) still takes,
+        and can be encoded again (a delta codec needs the model it was trained on, kept in memory only)."""
+        saved = self.saved
+        if info.state != "open" or info.max_staleness is None or saved is None:
+            return False
+        if not info.round - info.max_staleness <= saved.round < info.round:
+            return False
+        kept = self._kept is not None and self._kept.info.round == saved.round
+        return kept or self.settings.compression not in DELTA_CODECS
 
     def _round_info_problem(self, info: RoundInfo) -> str | None:
         if info.base_digest != self.manifest.base_digest:
@@ -560,7 +579,13 @@ class AgentEngine:
         assert job is not None and self.saved is not None
         self._training = None
         if info is None or info.state != "open" or info.round != job.info.round:
+            if info is not None and info.state == "open" and info.max_staleness is not None and \
+                    job.info.round < info.round - info.max_staleness:
+                self.log(f"round {job.info.round}: trained, but round {info.round} is open and takes updates of "
+                         f"rounds {info.round - info.max_staleness} on: not sent")
+                return []
             info = job.info
+        self._kept = job if job.info.max_staleness is not None else None  # a resend may need its model
         return self._answer(info, job.model)
 
     def _send_again(self) -> list[Action]:
@@ -568,6 +593,13 @@ class AgentEngine:
         self.log(f"round {self._round.round}: already trained (before a restart, a reconnect or the round's "
                  "re-publication), sending the saved update again")
         return self._answer(self._round, self._model.tensors)
+
+    def _send_stale(self) -> list[Action]:
+        saved, kept = self.saved, self._kept
+        assert saved is not None and self._round is not None
+        self.log(f"round {self._round.round}: sending the saved update of round {saved.round} again (asynchronous "
+                 "rounds still take it; it may have been lost)")
+        return self._update(kept.model if kept is not None and kept.info.round == saved.round else {})
 
     def _answer(self, info: RoundInfo, model: Mapping[str, np.ndarray]) -> list[Action]:
         """The saved update for `info`'s round, whose model is `model`: keys for its secure session, or the update

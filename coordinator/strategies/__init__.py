@@ -17,9 +17,15 @@ from fedper.wire import Topics
 
 
 def strategy_for(config: Config, manifest: Manifest, store: Store, topics: Topics, fleet: Fleet) -> Strategy:
-    """The secure sum with --secure-aggregation, else central DP with --dp-noise-multiplier, else --aggregator.
+    """Buffered rounds with --mode async (with or without DP); else the secure sum with --secure-aggregation, else
+    central DP with --dp-noise-multiplier, else --aggregator.
     `config`'s groups are valid; what they cannot check alone (the manifest, the extras) is checked here."""
     budget = _budget(config)
+    if config.asynchronous.enabled:  # config.py refuses it with secure aggregation
+        from fedper.coordinator.strategies.fedbuff import FedBuff
+
+        buffer = config.asynchronous.buffer_config(config.aggregation.clip_norm, config.aggregation.aggregator)
+        return FedBuff(manifest, store, topics, fleet, buffer, budget=budget)
     if config.secure.enabled:
         _check_secure(manifest)
         from fedper.coordinator.strategies.secure import SecureSum  # the privacy extra's cryptography
@@ -41,10 +47,12 @@ def _budget(config: Config) -> PrivacyBudget | None:
     dp = config.privacy
     if dp.noise_multiplier is None:
         return None
+    # fixed: M of the online devices, or (async) every device in every version, replace-one (docs/privacy.md)
+    fixed = config.selection.clients_per_round is not None or config.asynchronous.enabled
     budget = PrivacyBudget(dp.noise_multiplier, dp.delta, dp.target_epsilon, dp.budget_action,
                            float(config.aggregation.clip_norm or 0), dp.adaptive_quantile,
-                           sampling="fixed" if config.selection.clients_per_round else "poisson")
-    if not config.selection.clients_per_round:
+                           sampling="fixed" if fixed else "poisson")
+    if not config.selection.clients_per_round or config.asynchronous.enabled:
         budget.check_first_round()
     return budget
 

@@ -79,6 +79,17 @@ class Strategy:
         """A message on one of the strategy's own topic kinds (beyond the engine's)."""
         raise WireError(kind, f"this coordinator takes no {kind} messages")
 
+    def oldest_round(self, number: int) -> int:
+        """The oldest round whose updates `check` takes while round `number` is open: an invitation to an
+        earlier round that is not answered when `number` opens stays live if its round is not older (default:
+        the open round only, so a synchronous round's invitations end with it)."""
+        return number
+
+    def places(self, live: Set[str], folded: Set[str]) -> Set[str]:
+        """Of the open round's live invitations, those that hold one of its --clients-per-round places (`folded`:
+        the devices whose update was accepted). Default: all, a round making that many invitations in all."""
+        return live
+
     def answered(self, folded: Set[str]) -> Set[str]:
         """The devices that count toward closing the round; `folded`: those whose update was accepted."""
         return folded

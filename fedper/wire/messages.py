@@ -285,12 +285,16 @@ class RoundInfo(Message):
     next_selection_at: float | None = None  # unix seconds: when the next round's invitations are made, at the latest
     secagg_session: Positive | None = None  # secure aggregation: the session a device advertises its keys for (a
     # new one after a failed or restarted session); None: clear updates
+    max_staleness: int | None = None  # asynchronous rounds: updates trained on rounds round - max_staleness ..
+    # round are taken (a device sends its update for the round it trained on after a newer one opened); None: only
+    # this round's
 
     def to_dict(self) -> dict[str, Any]:
         """Optional fields at their default are not sent: with every device taking part, RoundInfo is what it
         was before selection existed."""
         body = super().to_dict()
-        for name, default in (("selection", "all"), ("next_selection_at", None), ("secagg_session", None)):
+        for name, default in (("selection", "all"), ("next_selection_at", None), ("secagg_session", None),
+                              ("max_staleness", None)):
             if body[name] == default:
                 del body[name]
         return body

@@ -18,6 +18,7 @@ ERROR_CODES = (
     "digest_mismatch",  # the device's manifest base_digest is not the coordinator's
     "unknown_device",  # an update from a device that has not registered
     "late_update",  # an update for a round that is not the open one
+    "stale_update",  # asynchronous rounds: an update trained on a round older than the open one's max_staleness
     "duplicate_update",  # a second update for a round already accepted from this device
     "bad_tensors",  # wrong names, shapes or dtypes, NaN or Inf
     "rejected",  # a well-formed update the aggregation rule refused

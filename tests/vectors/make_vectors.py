@@ -22,6 +22,7 @@ from fedper.manifest import Manifest, ModelInfo, TensorSpec
 from fedper.payload import encode_shared
 from fedper.wire import (
     ErrorMessage,
+    Invitation,
     Register,
     RoundInfo,
     SecAggMask,
@@ -107,7 +108,31 @@ def vectors() -> dict[str, tuple[bytes, dict]]:
                           {"kind": "Register", "error": "bad_message", "why": "unsupported protocol version"})
     empty = chunk(b"", CHUNK_SIZE, "empty")[0]
     out["empty-blob.0"] = (empty, {"kind": "chunk", "header": decode_frame(empty)[0], "data_hex": ""})
+    out.update(async_vectors(topics, manifest))
     out.update(secagg_vectors(topics))
+    return out
+
+
+def async_vectors(topics: Topics, manifest: Manifest) -> dict[str, tuple[bytes, dict]]:
+    """Asynchronous rounds (docs/protocol.md, 8.2): RoundInfo of version 3 taking updates trained on rounds 1-3,
+    an invitation (still naming round 2 after round 3 opened), the first chunk of an update trained on round 2,
+    and the answer to one trained on a round out of the window."""
+    blob = encode_shared(manifest, tiny_tensors(0.5))
+    frames = chunk(blob, CHUNK_SIZE, "r3", {"round": 3})
+    info = RoundInfo(round=3, rounds=10, state="open", deadline=1767225600.0, blob_id="r3", size=len(blob),
+                     sha256=hashlib.sha256(blob).hexdigest(), count=len(frames), base_digest=manifest.base_digest,
+                     selection="invited", next_selection_at=1767225600.0, max_staleness=2)
+    meta = UpdateMeta(round=2, n_samples=120, base_digest=manifest.base_digest, metrics={"accuracy": 0.5})
+    stale = chunk(encode_shared(manifest, tiny_tensors(0.25)), CHUNK_SIZE, "r2-5e6f7a8b", meta.to_dict())[0]
+    header, data = decode_frame(stale)
+    error = ErrorMessage("stale_update", "update trained on round 1's model, more than --max-staleness 1 versions "
+                         "before the open round 3", 3)
+    messages = {"round-async": (topics.round, info), "invite": (topics.invite(DEVICE), Invitation(2)),
+                "error-stale": (topics.error(DEVICE), error)}
+    out = {name: (msg.encode(), {"topic": topic, "kind": type(msg).__name__, "message": json.loads(msg.encode())})
+           for name, (topic, msg) in messages.items()}
+    out["update-stale.0"] = (stale, {"topic": topics.update(DEVICE), "kind": "chunk", "header": header,
+                                     "data_hex": data.hex()})
     return out
 
 

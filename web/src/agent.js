@@ -8,7 +8,8 @@
 // model the device serves now; FedBABU serves a fine-tuned copy), train the algorithm's phases, save the state in
 // IndexedDB, publish the update: only the manifest's shared tensors (Updates.encode takes the manifest), chunked.
 // After a reload the head comes back from the store; a saved update of the open round is sent again whenever that
-// round's RoundInfo is (re)published. What reaches the page is checked before anything is loaded.
+// round's RoundInfo is (re)published, and so is one of an earlier round that asynchronous rounds (RoundInfo's
+// max_staleness, docs/protocol.md 8.2) still take. What reaches the page is checked before anything is loaded.
 
 import { DELTA_CODECS, encodeTensors } from './codecs.js';
 import { encodeSafetensors, decodeSafetensors } from './safetensors.js';
@@ -92,6 +93,7 @@ export class Agent {
     this.round = null;
     this.sentRound = null;
     this.invited = null;
+    this.kept = null; // asynchronous rounds: {round, model} of the update sent last (a resend may need its model)
     this.quiet = null;
     this.noted = new Set();
     this.secureNoted = null;
@@ -159,6 +161,7 @@ export class Agent {
       this.log(`ignored RoundInfo of round ${info.round} (${info.state}): ${problem}`);
       return [];
     }
+    const again = this.round === null || this.round.round === info.round; // (re)published, or the first seen
     this.round = info;
     if (info.state === 'open' && !this.invitedTo(info) && this.quiet !== info.round) {
       this.quiet = info.round;
@@ -166,7 +169,23 @@ export class Agent {
       this.log(`round ${info.round}: not invited; quiet until an invitation or the next selection (due within ${Math.max(wait, 0).toFixed(0)} s)`);
     }
     this.sentRound = null; // v1 acknowledges no update: the saved one goes again whenever its round is re-announced
-    return this.progress();
+    const stale = again && this.lostStale(info) ? this.resendStale(info) : [];
+    return [...stale, ...(await this.progress())];
+  }
+
+  /** Whether the saved update is of an earlier round that `info` (asynchronous: max_staleness) still takes and can
+   * be encoded again (a delta codec needs the model it was trained on, kept in memory only). */
+  lostStale(info) {
+    const saved = this.saved;
+    if (info.state !== 'open' || info.max_staleness === null || !saved) return false;
+    if (!(info.round - info.max_staleness <= saved.round && saved.round < info.round)) return false;
+    return this.kept?.round === saved.round || !DELTA_CODECS.includes(this.config.codec);
+  }
+
+  resendStale(info) {
+    this.log(`round ${info.round}: sending the saved update of round ${this.saved.round} again (asynchronous rounds still take it; it may have been lost)`);
+    const model = this.kept?.round === this.saved.round ? this.kept.model : null;
+    return this.update(this.saved, model);
   }
 
   roundInfoProblem(info) {
@@ -307,6 +326,7 @@ export class Agent {
     const hex = [...this.random(4)].map((b) => b.toString(16).padStart(2, '0')).join('');
     const reference = DELTA_CODECS.includes(c.codec) ? model : null;
     const blob = encodeShared(this.manifest, new Map(Object.entries(saved.update)), c.codec, reference);
+    this.kept = this.round && this.round.max_staleness !== null && model ? { round: saved.round, model } : null;
     const frames = chunkBlob(blob, c.chunkSize, `r${saved.round}-${hex}`, messageFields('UpdateMeta', meta));
     this.sentRound = saved.round;
     return frames.map((payload) => ({ topic: this.topics.update(c.clientId), payload, retain: false }));

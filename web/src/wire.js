@@ -187,6 +187,7 @@ const SCHEMAS = {
     ['blob_id', text(MAX_TEXT, NAME_RE)], ['size', int()], ['sha256', text(MAX_TEXT, SHA256_RE)], ['count', int(1)],
     ['base_digest', text()], ['selection', text(MAX_TEXT, null, ['all', 'invited']), 'all'],
     ['next_selection_at', optional(number()), null], ['secagg_session', optional(int(1)), null],
+    ['max_staleness', optional(int()), null],
   ],
   Invitation: [['round', int(1)]],
   ErrorMessage: [['code', text()], ['message', text(MAX_ERROR_TEXT)], ['round', optional(int()), null]],
