@@ -242,3 +242,15 @@ def assign_test_by_classes(
         for dev, chunk in zip(rng.permutation(devices), np.array_split(members, len(devices)), strict=True):
             parts[dev].append(chunk)
     return [_concat(p) for p in parts]
+
+
+def chance_accuracy(test_labels: Sequence[np.ndarray | Sequence[int]], n_classes: int, personal: bool) -> float:
+    """The mean accuracy over clients of a guess from the label prior alone, the line a curve must rise above
+    to have learned anything from the images. A personal model (a head of its own) can always answer its
+    client's most frequent test class; one model for every client (FedAvg), the one class whose mean share
+    over the clients is largest. Clients without test samples are left out."""
+    shares = np.array([np.bincount(y, minlength=n_classes) / len(y)
+                       for y in (_as_labels(t, "test labels") for t in test_labels) if len(y)])
+    if not len(shares):
+        raise DataError("no client has test samples")
+    return float(shares.max(axis=1).mean() if personal else shares.mean(axis=0).max())
