@@ -100,7 +100,7 @@ class Board:
             self.bars.update(run.task, completed=run.done, total=run.rounds, where=f"round {run.done}/{run.rounds}",
                              acc=acc)
             if not self.tty:
-                left = statistics.fmean(run.walls) * (run.rounds - run.done)
+                left = statistics.fmean(run.walls[-5:]) * (run.rounds - run.done)  # the recent pace
                 self._line(run, f"round {run.done}/{run.rounds}{', ' + acc if acc else ''} "
                                 f"({event['wall_s']:.1f} s){f'; about {duration(left)} left' if left else ''}")
         elif kind == "end":
