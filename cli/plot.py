@@ -30,7 +30,8 @@ class Series:
     accuracy: list[float]
     low: list[float]  # the spread over devices: min (emulator) or mean - std (coordinator)
     high: list[float]
-    loss: list[float] = field(default_factory=list)  # empty: the run records none
+    fleet: bool  # a coordinator's (mean ± std, no loss) rather than an emulator's (min..max, loss)
+    loss: list[float] = field(default_factory=list)
     chance: float | None = None
     data: str | None = None  # the data set's name, when the run records it
 
@@ -63,7 +64,7 @@ def _emulated(path: Path, rows: list[dict], label: str | None) -> Series:
     config = json.loads((path / "config.json").read_text()).get("fleet", {}) if (path / "config.json").is_file() else {}
     name = label or (f"{path.name} ({config['algorithm']}, K_P={config['kp']})" if config else path.name)
     return Series(name, [m["round"] for m in rows], [m["mean_accuracy"] for m in rows],
-                  [min(m["accuracy"]) for m in rows], [max(m["accuracy"]) for m in rows],
+                  [min(m["accuracy"]) for m in rows], [max(m["accuracy"]) for m in rows], False,
                   [m["mean_loss"] for m in rows if "mean_loss" in m], info.get("chance_accuracy"), info.get("name"))
 
 
@@ -75,7 +76,7 @@ def _coordinated(path: Path, rows: list[dict], label: str | None) -> Series:
     std = [m.get("accuracy_std") or 0.0 for m in rows]
     return Series(label or str(path), [m["round"] - 1 for m in rows], mean,
                   [max(0.0, a - s) for a, s in zip(mean, std, strict=True)],
-                  [min(1.0, a + s) for a, s in zip(mean, std, strict=True)])
+                  [min(1.0, a + s) for a, s in zip(mean, std, strict=True)], True)
 
 
 def draw(series: list[Series], png: Path, title: str | None = None) -> None:
@@ -96,12 +97,15 @@ def draw(series: list[Series], png: Path, title: str | None = None) -> None:
         draw_chance(accuracy, s.chance, colour)
         if s.loss:
             axes[0, 1].plot(s.x[: len(s.loss)], s.loss, marker="o", ms=3, color=colour, label=s.label)
+    kinds = {s.fleet for s in series}
+    band = {frozenset({False}): "the devices' min..max", frozenset({True}): "± std over the devices",
+            frozenset({False, True}): "the devices' min..max (emulated), ± std (fleet)"}[frozenset(kinds)]
     accuracy.set(xlabel="aggregated rounds (of the model evaluated)", ylabel="test accuracy, mean over devices",
-                 ylim=(0, 1), title="accuracy; band: the devices' min..max (emulator) or ± std (fleet)")
+                 ylim=(0, 1), title=f"accuracy; band: {band}")
     chance_legend(accuracy, any(s.chance is not None for s in series))
     if with_loss:
         axes[0, 1].set(xlabel="aggregated rounds (of the model evaluated)", ylabel="test loss, mean over devices",
-                       title="loss (emulated runs; a fleet's metrics hold none)")
+                       title="test loss" + (" (a fleet's metrics.jsonl holds none)" if True in kinds else ""))
         axes[0, 1].legend(fontsize=8)
     for ax in axes.flat:
         integer_rounds(ax)
@@ -109,7 +113,6 @@ def draw(series: list[Series], png: Path, title: str | None = None) -> None:
     names = sorted({s.data for s in series if s.data})
     if title or names:
         fig.suptitle(title or ", ".join(names), fontsize=11)
-    accuracy.title.set_fontsize(9)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=100)

@@ -297,23 +297,31 @@ def _run_all(pending: list[tuple[RunConfig, Path, bool, str]], jobs: int, show_p
             for config, run_dir, resume, label in pending:
                 run_experiment(config, run_dir, resume=resume, report=board.report, label=label)
             return
-        if show_progress:
-            print(f"{len(pending)} runs, {min(jobs, len(pending))} at a time", file=sys.stderr)
         spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch thread pool inherited by fork
+        workers = min(jobs, len(pending))
+        if not show_progress:
+            _in_processes(spawn, workers, pending, None)
+            return
+        print(f"{len(pending)} runs, {workers} at a time", file=sys.stderr)
         with spawn.Manager() as manager:
             events = manager.Queue()
             pump = threading.Thread(target=_pump, args=(events, board), daemon=True)
             pump.start()
             try:
-                with ProcessPoolExecutor(min(jobs, len(pending)), mp_context=spawn,
-                                         initializer=_single_threaded) as pool:
-                    futures = [pool.submit(run_experiment, c, d, resume=r, report=partial(_put, events), label=label)
-                               for c, d, r, label in pending]
-                    for future in futures:
-                        future.result()
+                _in_processes(spawn, workers, pending, partial(_put, events))
             finally:
                 events.put(None)
                 pump.join()
+
+
+def _in_processes(context: Any, workers: int, pending: list[tuple[RunConfig, Path, bool, str]],
+                  report: Any) -> None:
+    """The runs in `workers` single-threaded processes, their progress to `report` (None: none shown)."""
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_single_threaded) as pool:
+        futures = [pool.submit(run_experiment, c, d, resume=r, show_progress=report is not None, report=report,
+                               label=label) for c, d, r, label in pending]
+        for future in futures:
+            future.result()
 
 
 def _put(events: queue.Queue, event: Event) -> None:

@@ -4,12 +4,15 @@ How to mark a block of commands (for whoever adds one to the docs): put one of t
 the line right before the block's opening fence. GitHub does not show them.
 
     <!-- doc-test: run -->                  run the block in bash as written
-    <!-- doc-test: run PROGRAM ARGS -->     run it, with ARGS appended to each command of PROGRAM (fedper-export,
-                                            fedper-emulate, ...; `fedper emulate ...` counts as fedper-emulate):
-                                            a smaller run, since a later option wins. Several: `... | PROGRAM ARGS`
+    <!-- doc-test: run PROGRAM ARGS -->     run it, with ARGS appended to each command of PROGRAM: a smaller run,
+                                            since a later option wins. PROGRAM is the command up to its first
+                                            option or argument: fedper-export, fedper-export verify,
+                                            fedper-emulate run, fedper demo (`fedper emulate run` counts as
+                                            fedper-emulate run). Several: `PROGRAM ARGS | PROGRAM ARGS`
     <!-- doc-test: help -->                 run each command with --help appended, in this process: checks the
                                             program, its subcommand and every option name (for services that wait
-                                            for devices, and for runs of minutes and more); fedper commands only
+                                            for devices, and for runs of minutes and more); fedper commands only,
+                                            and NAME="..." lines, whose $NAME the commands after them may use
     <!-- doc-test: skip REASON -->          not run, for the REASON written there (placeholders such as `...`,
                                             a remote host, a GPU, torchrun, a download)
 
@@ -20,9 +23,11 @@ to mix modes.
 
 How run blocks run: the blocks of one document run in order in one temporary directory, which is also
 $HOME, so an export made by one block serves the next and `~/cifar10`, `~/cifar100`, `~/data/cifar`
-(CIFAR-shaped image folders of synthetic images), `dev-a/` and `dev-b/` (image folders of digits) are
-there (make_fixtures); this checkout's venv is first on PATH; port 1883 becomes a free port; a bare
-`wait` fails when a background job failed. Each block must exit 0 within BLOCK_TIMEOUT_S.
+(CIFAR-shaped image folders of synthetic images), `dev-a/` and `dev-b/` (image folders of digits) and
+`.venv` (this checkout's) are there (make_fixtures); the venv is first on PATH; port 1883 becomes a free
+port; a bare `wait` fails when a background job failed; OMP_NUM_THREADS is 1 unless the block sets it
+(processes that share 2 cores run faster so). Each block must exit 0 within BLOCK_TIMEOUT_S. Keep the
+run blocks few and small: this file's test runs them all in a few minutes.
 """
 
 from __future__ import annotations
@@ -55,8 +60,10 @@ SHELL = {"sh", "bash", "shell", "console"}
 ASSIGNMENTS = r"(?:[A-Za-z_][A-Za-z0-9_]*=\S*\s+)*"
 COMMAND = re.compile(rf"^{ASSIGNMENTS}(fedper(?:-[a-z]+)?|make|python3?|torchrun|pip|docker|sudo|systemctl|"
                      rf"mosquitto\S*|curl|\.)(?:\s|$)")
-FEDPER = re.compile(rf"^{ASSIGNMENTS}(fedper(?:-[a-z]+)?)(?:\s+([a-z]+))?")
+FEDPER = re.compile(rf"^\s*{ASSIGNMENTS}(fedper(?:-[a-z]+)?)(?:\s+([a-z][a-z0-9-]*)(?=\s|$))?")
+ROLES = ("export", "agent", "coordinator", "emulate")
 HEREDOC = re.compile(r"<<-?\s*['\"]?(\w+)['\"]?")
+VARIABLE = re.compile(r'^([A-Za-z_][A-Za-z0-9_]*)="([^"$`]*)"$')  # NAME="value", nothing to expand in it
 
 
 @dataclass
@@ -123,20 +130,24 @@ def logical_commands(lines: list[str]) -> list[str]:
 
 
 def _program(command: str) -> str | None:
-    """fedper-emulate for `fedper-emulate ...` and `fedper emulate ...`; None for other commands."""
-    match = FEDPER.match(command)
-    if not match:
+    """The fedper program and subcommand a command runs (fedper-export, fedper-export verify, fedper-emulate run
+    for `fedper-emulate run ...` and `fedper emulate run ...`, fedper plot); None for other commands."""
+    words = FEDPER.match(command)
+    if not words:
         return None
-    program, sub = match.groups()
-    return f"fedper-{sub}" if program == "fedper" and sub in ("export", "agent", "coordinator", "emulate") else program
+    program, sub = words.groups()
+    if program == "fedper" and sub in ROLES:
+        program, sub = f"fedper-{sub}", re.match(r"\s*([a-z][a-z0-9-]*)(?=\s|$)", command[words.end():])
+        sub = sub.group(1) if sub else None
+    return f"{program} {sub}" if sub else program
 
 
 def _clauses(args: str) -> dict[str, str]:
-    """A run mark's `PROGRAM ARGS | PROGRAM ARGS` as {program: args}."""
+    """A run mark's `PROGRAM ARGS | PROGRAM ARGS` as {program: args}, PROGRAM the words before the first option."""
     clauses = {}
     for clause in filter(None, (c.strip() for c in args.split("|"))):
-        program, _, extra = clause.partition(" ")
-        clauses[program] = extra
+        program, _, extra = clause.partition(" -")
+        clauses[program.strip()] = f"-{extra}" if extra else ""
     return clauses
 
 
@@ -156,7 +167,7 @@ def check(block: Block) -> list[str]:
                 for program in _clauses(block.args) if program not in programs]
     if block.mode == "help":
         errors = [f"{block.where}: doc-test: help runs fedper commands only, not {c!r}"
-                  for c in logical_commands(block.lines) if _program(c) is None]
+                  for c in logical_commands(block.lines) if _program(c) is None and not VARIABLE.match(c.strip())]
         return errors + ([f"{block.where}: doc-test: help takes no arguments"] if block.args else [])
     return []
 
@@ -186,6 +197,11 @@ def test_the_mark_rules_catch_what_they_say(tmp_path):
     assert "without a mark" in errors[0] and "needs a reason" in errors[1]
     assert "fedper-export, which the block does not run" in errors[2] and "without a mark" in errors[3]
     assert [c.split() for c in logical_commands(blocks[2].lines)] == [["fedper-emulate", "run", "--rounds", "1"]]
+    assert [_program(c) for c in ("fedper-export --out a/", "fedper-export verify a/", "fedper emulate run --x 1",
+                                  "OMP_NUM_THREADS=1 fedper-emulate figure fig2", "fedper plot runs/x", "make demo")] \
+        == ["fedper-export", "fedper-export verify", "fedper-emulate run", "fedper-emulate figure", "fedper plot", None]
+    assert _clauses("fedper-export --width 0.25 | fedper-emulate run --rounds 1") == \
+        {"fedper-export": "--width 0.25", "fedper-emulate run": "--rounds 1"}
 
 
 # ---------------------------------------------------------------- running the blocks
@@ -203,7 +219,7 @@ def make_fixtures(home: Path) -> None:
 
     rng = np.random.default_rng(0)
     for root, classes, (n_train, n_test) in (
-        (home / "cifar10", CIFAR10_CLASSES, (24, 6)),
+        (home / "cifar10", CIFAR10_CLASSES, (20, 10)),
         (home / "cifar100", [f"class{c:03d}" for c in range(100)], (4, 2)),
     ):
         for split, n in (("train", n_train), ("test", n_test)):
@@ -214,6 +230,7 @@ def make_fixtures(home: Path) -> None:
                     _png(root / split / name / f"{i}.png", pixels)
     (home / "data").mkdir()
     (home / "data" / "cifar").symlink_to(home / "cifar10")
+    (home / ".venv").symlink_to(Path(sys.executable).parent.parent)
     digits = load_digits()
     for device, classes in (("dev-a", range(5)), ("dev-b", range(5, 10))):
         for c in classes:
@@ -255,7 +272,7 @@ def _run_block(block: Block, home: Path) -> None:
     script = home / f"block-{block.line}.sh"
     script.write_text(runnable_script(block, free_port()))
     env = os.environ | {"HOME": str(home), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-                        "MPLBACKEND": "Agg"}
+                        "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(["bash", "-e", "-o", "pipefail", str(script)], cwd=home, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -282,10 +299,14 @@ def _apps() -> dict:
 
 
 def _help_block(block: Block) -> None:
-    apps = _apps()
+    apps, variables = _apps(), {}
     for command in logical_commands(block.lines):
+        if variable := VARIABLE.match(command.strip()):
+            variables[variable.group(1)] = variable.group(2)
+            continue
         code = re.sub(r"\s+#.*$", "", command).rstrip().removesuffix("&")
-        words = shlex.split(re.sub(rf"^{ASSIGNMENTS}", "", code))
+        code = re.sub(r"\$(\w+)", lambda m: variables.get(m.group(1), m.group(0)), code)
+        words = shlex.split(re.sub(rf"^\s*{ASSIGNMENTS}", "", code))
         result = CliRunner().invoke(apps[words[0]], [*words[1:], "--help"])
         assert result.exit_code == 0 and "Usage:" in result.output, \
             f"{block.where}: `{command.strip()} --help` failed:\n{result.output}"

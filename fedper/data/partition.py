@@ -169,7 +169,7 @@ def split_dirichlet(
             return [_concat(p) for p in parts]
     raise DataError(
         f"no Dirichlet(alpha={alpha}) draw in {DIRICHLET_TRIES} gave every one of {n_clients} devices "
-        f">= {min_size} of {len(y)} samples; use fewer devices, a larger alpha or a smaller min_size"
+        f">= {min_size} of {len(y)} samples; use fewer devices or a larger alpha"
     )
 
 
@@ -237,7 +237,7 @@ def assign_test_by_classes(
         if len(members) < len(devices):
             raise DataError(
                 f"class {c} has {len(members)} test samples but {len(devices)} devices train on it, so some "
-                f"would test without it; use fewer devices or split_train_test instead"
+                f"would test without it; use fewer devices, fewer classes a device or more test samples"
             )
         for dev, chunk in zip(rng.permutation(devices), np.array_split(members, len(devices)), strict=True):
             parts[dev].append(chunk)
