@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -184,10 +184,9 @@ def run(
             if rank == 0:
                 for note in resume_notes(saved, config, given):
                     typer.echo(f"note: {note}", err=True)
-            if "rounds" not in given:
-                config = saved
-            else:
-                config = RunConfig(config.data, config.fleet, max(1, round(rounds * saved.data.scale)), device)
+            if "rounds" in given:  # before the saved run's --scale, as when it started
+                saved = replace(saved, rounds=max(1, round(rounds * saved.data.scale)))
+            config = saved
             if rank == 0:
                 typer.echo(f"resuming {out} to round {config.rounds}", err=True)
         options = {"resume": resume, "show_progress": progress}
