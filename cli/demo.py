@@ -181,14 +181,15 @@ def plot(results: dict[str, dict], devices: list[Device], classes: list[str], da
         draw_chance(curve, chance_accuracy(tests, len(classes), personal=name != "fedavg"), colour)
     for i, d in enumerate(devices):  # what a head that learned only the device's label frequencies scores
         prior = chance_accuracy([d.y_test], len(classes), personal=True)
-        bars.hlines(prior, i - 0.4, i + 0.4, colors="grey", linestyles=":", lw=1.5)
+        bars.hlines(prior, i - 0.4, i + 0.4, colors="black", linestyles=":", lw=1.5)
     bars.set_xticks(x, [device_label(d, dataset) for d in devices], fontsize=9)
     bars.set(ylabel="personalized test accuracy", ylim=(0, 1), title="each device after the last round")
     curve.set(xlabel="aggregated rounds", ylabel="mean accuracy over devices", ylim=(0, 1),
               title="the model each device serves")
     integer_rounds(curve)
+    chance_legend(bars, True, "black")
+    chance_legend(curve, True)
     for ax in (bars, curve):
-        chance_legend(ax, True)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

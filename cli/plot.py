@@ -120,11 +120,11 @@ def draw(series: list[Series], png: Path, title: str | None = None) -> None:
 
 
 def plot(
-    runs: list[Path] = typer.Argument(..., help="Emulator run folders (fedper-emulate run --out) and coordinator "
-                                                "state dirs (--state-dir), drawn on one figure"),
+    runs: list[Path] = typer.Argument(..., metavar="RUN", help="Emulator run folders (fedper-emulate run --out) "
+                                      "and coordinator state dirs (--state-dir), drawn on one figure"),
     out: Path = typer.Option(Path("plot.png"), help="The PNG to write"),
-    label: list[str] = typer.Option([], help="A curve's name in the legend, in the order of RUN (repeatable; "
-                                             "default: the folder's name)"),
+    label: list[str] = typer.Option([], metavar="NAME", help="A curve's name in the legend, in the order of RUN "
+                                    "(repeatable; default: the folder's name)"),
     title: str | None = typer.Option(None, help="The figure's title (default: the data sets' names)"),
 ) -> None:
     """Draw accuracy and loss per round of runs and fleets on one figure."""

@@ -250,7 +250,7 @@ def figure(
                                           "(default 1e-5)"),
     input_size: int | None = typer.Option(None, min=1, help="Image side in pixels (default: the data's)"),
     seed: int = typer.Option(0, help="Seed of every run"),
-    model: list[str] | None = typer.Option(None, help="Only the curves of this model (repeatable)"),
+    model: list[str] | None = typer.Option(None, metavar="MODEL", help="Only the curves of this model (repeatable)"),
     device: str = typer.Option("auto", help="auto (cuda when present, else cpu) | cpu | cuda"),
     out: Path = typer.Option(Path("runs/figures"), help="Folder for the runs; the PNG is OUT/NAME.png"),
     progress: bool = typer.Option(True, help="Show each run's progress: bars in a terminal, else a line a round"),

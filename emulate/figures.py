@@ -406,13 +406,13 @@ def draw_chance(ax: Any, chance: float | None, colour: str) -> None:
         ax.axhline(chance, color=colour, **CHANCE_STYLE)
 
 
-def chance_legend(ax: Any, drawn: bool) -> None:
+def chance_legend(ax: Any, drawn: bool, colour: str = "grey") -> None:
     """The legend, with one entry that explains the dotted chance lines when any was drawn."""
     from matplotlib.lines import Line2D
 
     handles, _ = ax.get_legend_handles_labels()
     if drawn:
-        handles.append(Line2D([], [], color="grey", label="chance (label prior)", **CHANCE_STYLE))
+        handles.append(Line2D([], [], color=colour, label="chance (label prior)", **CHANCE_STYLE))
     ax.legend(handles=handles, fontsize=8)
 
 
