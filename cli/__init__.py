@@ -10,6 +10,7 @@ from __future__ import annotations
 import typer
 
 from fedper.cli.demo import demo
+from fedper.cli.plot import plot
 from fedper.coordinator.cli import app as coordinator_app
 from fedper.edge.cli import app as agent_app
 from fedper.emulate.cli import app as emulate_app
@@ -18,15 +19,12 @@ from fedper.export.cli import app as export_app
 app = typer.Typer(
     help="FedPer edge toolkit: federated learning with personalization layers, from the paper to devices.",
     no_args_is_help=True,
+    rich_markup_mode=None,  # plain help, as each role's own command: option names whole at 80 columns
 )
-app.add_typer(export_app, name="export", help="Build ONNX Runtime on-device training artifacts and their manifest.")
-app.add_typer(
-    agent_app, name="agent", help="Run a device: train locally with onnxruntime-training, send base parameters only."
-)
-app.add_typer(
-    coordinator_app,
-    name="coordinator",
-    help="Run the MQTT coordinator: rounds, aggregation of base updates, checkpoints.",
-)
-app.add_typer(emulate_app, name="emulate", help="Run an emulated fleet for the paper's experiments and figures.")
-app.command("demo", help="Run the whole system on one machine: export, broker, coordinator, agents.")(demo)
+# Each line short enough to stand whole in `fedper --help` at 80 columns.
+app.add_typer(export_app, name="export", help="Build on-device training artifacts and their manifest.")
+app.add_typer(agent_app, name="agent", help="Run a device: train locally, send base parameters only.")
+app.add_typer(coordinator_app, name="coordinator", help="Run the MQTT coordinator: rounds, aggregation.")
+app.add_typer(emulate_app, name="emulate", help="Emulate a fleet: the paper's experiments and figures.")
+app.command("demo", help="Run broker, coordinator and agents on one machine.")(demo)
+app.command("plot", help="Draw accuracy and loss per round of runs and fleets.")(plot)

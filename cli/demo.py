@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from fedper.algorithms import get_algorithm
+from fedper.emulate.progress import Board
 from fedper.ports import free_port
 
 console = Console(stderr=True)
@@ -36,23 +36,20 @@ class Device:
     data: Path
     classes: list[str]
     n_train: int
+    y_test: np.ndarray
 
 
 def load_dataset(dataset: str, data: Path | None, max_samples: int, seed: int):
-    """The zero-download default is scikit-learn's digits; CIFAR-10 from an .npz, image folder or torchvision root."""
-    from fedper.data import load_cifar, load_digits, load_image_folder, load_npz
+    """The zero-download default is scikit-learn's digits; CIFAR-10 from an .npz, an image folder or a
+    torchvision root, by what --data is."""
+    from fedper.data import load_digits, load_images
 
     if dataset == "digits":
         train = load_digits(image_size=32).train
     elif dataset == "cifar10":
         if data is None:
             raise typer.BadParameter("--dataset cifar10 needs --data (an .npz, an image folder or a CIFAR-10 root)")
-        if data.suffix == ".npz":
-            train = load_npz(data).train
-        elif (data / "train").is_dir():
-            train = load_image_folder(data, image_size=32).train
-        else:
-            train = load_cifar(data, "cifar10").train
+        train = load_images(data, cifar="cifar10", image_size=32).train
     else:
         raise typer.BadParameter(f"unknown dataset {dataset!r}: digits or cifar10")
     if len(train) > max_samples:
@@ -71,8 +68,8 @@ def write_devices(train, n: int, k: int, seed: int, folder: Path) -> list[Device
         path = folder / f"dev-{i}.npz"
         np.savez(path, x_train=train.x[tr], y_train=train.y[tr], x_test=train.x[te], y_test=train.y[te],
                  classes=np.array(train.classes))
-        held = sorted({train.classes[c] for c in train.y[tr]})
-        devices.append(Device(f"dev-{i}", path, held, len(tr)))
+        held = [train.classes[c] for c in sorted(set(train.y[tr]))]
+        devices.append(Device(f"dev-{i}", path, held, len(tr), train.y[te]))
     return devices
 
 
@@ -110,7 +107,7 @@ class Processes:
 
 
 def run_fleet(algorithm: str, kp: int, devices: list[Device], classes: list[str], out: Path, port: int,
-              opts: dict, procs: Processes, progress: Progress) -> dict:
+              opts: dict, procs: Processes, board: Board) -> dict:
     """One federated run through real processes; returns per-round means and per-device final accuracy."""
     from fedper.export.exporter import export_artifacts
 
@@ -118,7 +115,8 @@ def run_fleet(algorithm: str, kp: int, devices: list[Device], classes: list[str]
     artifacts = folder / "artifacts"
     export_artifacts(artifacts, model="mobilenet_v1", kp=kp, num_classes=len(classes), input_size=32,
                      width=opts["width"], algorithm=algorithm, seed=opts["seed"], classes=classes, force=True)
-    task = progress.add_task(f"{algorithm} (K_P={kp})", total=opts["rounds"])
+    key = f"{algorithm} (K_P={kp})"
+    board.report({"event": "start", "run": key, "label": key, "rounds": opts["rounds"], "done": 0})
     state = folder / "coordinator"
     for previous in (state, folder / "agents"):  # a demo starts afresh: an earlier run's state would resume
         shutil.rmtree(previous, ignore_errors=True)
@@ -134,37 +132,64 @@ def run_fleet(algorithm: str, kp: int, devices: list[Device], classes: list[str]
         str(opts["local_epochs"]), "--batch-size", str(opts["batch_size"]), "--lr", str(opts["lr"]),
         "--seed", str(opts["seed"]), "--mqtt-version", "3.1.1"], folder / f"{d.name}.log") for d in devices]
     metrics_file = state / "metrics.jsonl"
+    done, since = 0, time.monotonic()
     while coordinator.poll() is None or any(a.poll() is None for a in agents):
         procs.check()
-        done = len(metrics_file.read_text().splitlines()) if metrics_file.exists() else 0
-        progress.update(task, completed=done)
+        lines = metrics_file.read_text().splitlines() if metrics_file.exists() else []
+        for line in lines[done:]:  # a closed round: the devices measured the model served at its start
+            record = json.loads(line)
+            board.report({"event": "round", "run": key, "round": record["round"], "rounds": opts["rounds"],
+                          "accuracy": record["accuracy_mean"], "wall_s": time.monotonic() - since})
+            done, since = done + 1, time.monotonic()
         time.sleep(0.5)
     procs.check()
-    progress.update(task, completed=opts["rounds"])
+    board.report({"event": "end", "run": key})
     rounds = [json.loads(line) for line in metrics_file.read_text().splitlines()]
     final = {d.name: json.loads((folder / "agents" / d.name / "final.json").read_text())["accuracy"] for d in devices}
     return {"round_mean": [r["accuracy_mean"] for r in rounds], "final": final}
 
 
-def plot(results: dict[str, dict], devices: list[Device], path: Path) -> None:
+NAMES = {"fedper": "FedPer", "fedavg": "FedAvg"}
+
+
+def device_label(device: Device, dataset: str) -> str:
+    """A bar's label: the device and the classes it holds, one class name a line (digits on one line)."""
+    if dataset == "digits":
+        return f"{device.name}\ndigits {', '.join(device.classes)}"
+    return "\n".join([device.name, *device.classes])
+
+
+def plot(results: dict[str, dict], devices: list[Device], classes: list[str], dataset: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (bars, curve) = plt.subplots(1, 2, figsize=(11, 4))
+    from fedper.data import chance_accuracy
+    from fedper.emulate.figures import chance_legend, draw_chance, integer_rounds
+
+    fig, (bars, curve) = plt.subplots(1, 2, figsize=(11, 4.4))
     x = np.arange(len(devices))
-    for offset, (name, result) in zip((-0.2, 0.2), results.items(), strict=True):
-        bars.bar(x + offset, [result["final"][d.name] for d in devices], 0.4, label=name)
+    tests = [d.y_test for d in devices]
+    for i, (offset, (name, result)) in enumerate(zip((-0.2, 0.2), results.items(), strict=True)):
+        colour = f"C{i}"
+        bars.bar(x + offset, [result["final"][d.name] for d in devices], 0.4, label=NAMES[name], color=colour)
         # Round k reports the model served after k-1 aggregations; the final evaluation closes the curve.
         means = [*result["round_mean"], float(np.mean(list(result["final"].values())))]
-        curve.plot(range(len(means)), means, marker="o", label=name)
-    bars.set_xticks(x, [f"{d.name}\n{','.join(d.classes)}" for d in devices], fontsize=8)
+        curve.plot(range(len(means)), means, marker="o", label=NAMES[name], color=colour)
+        # FedPer's head can learn each device's most frequent class; FedAvg's one model one class for all
+        draw_chance(curve, chance_accuracy(tests, len(classes), personal=name != "fedavg"), colour)
+    for i, d in enumerate(devices):  # what a head that learned only the device's label frequencies scores
+        prior = chance_accuracy([d.y_test], len(classes), personal=True)
+        bars.hlines(prior, i - 0.4, i + 0.4, colors="black", linestyles=":", lw=1.5)
+    bars.set_xticks(x, [device_label(d, dataset) for d in devices], fontsize=9)
     bars.set(ylabel="personalized test accuracy", ylim=(0, 1), title="each device after the last round")
     curve.set(xlabel="aggregated rounds", ylabel="mean accuracy over devices", ylim=(0, 1),
               title="the model each device serves")
+    integer_rounds(curve)
+    chance_legend(bars, True, "black")
+    chance_legend(curve, True)
     for ax in (bars, curve):
-        ax.legend()
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -205,10 +230,9 @@ def demo(
     results: dict[str, dict] = {}
     started = time.monotonic()
     try:
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("round {task.completed}/{task.total}"),
-                      TimeElapsedColumn(), console=console) as progress:
+        with Board() as board:
             for algorithm, cut in (("fedper", kp), ("fedavg", 0)):
-                results[algorithm] = run_fleet(algorithm, cut, fleet, train.classes, out, port, opts, procs, progress)
+                results[algorithm] = run_fleet(algorithm, cut, fleet, train.classes, out, port, opts, procs, board)
                 procs.stop_all()
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping every process[/]")
@@ -228,6 +252,6 @@ def demo(
                       *(f"{results[a]['final'][d.name]:.3f}" for a in ("fedper", "fedavg")))
     table.add_row("mean", "", "", *(f"{np.mean(list(results[a]['final'].values())):.3f}" for a in ("fedper", "fedavg")))
     Console().print(table)
-    plot(results, fleet, out / "demo.png")
+    plot(results, fleet, train.classes, dataset, out / "demo.png")
     (out / "results.json").write_text(json.dumps(results, indent=2))
     console.print(f"wrote {out / 'demo.png'} and {out / 'results.json'} in {time.monotonic() - started:.0f} s")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -64,10 +65,13 @@ def run(
     reconnect_spread: float = typer.Option(30.0, min=0.0, help="After losing the broker, reconnect at a random "
                                            "moment within this many seconds, so a fleet does not come back at "
                                            "once; then full-jitter backoff up to 60 s."),
+    skip_unreadable_images: bool = typer.Option(
+        False, help="Leave out the image files in --data that cannot be decoded (counted and named at start) "
+                    "instead of stopping at the first one."),
 ) -> None:
     """Train rounds until the coordinator announces the final model; resumes from --state-dir."""
     from fedper.compression import check_codec
-    from fedper.data import DataError
+    from fedper.data import DataError, UnreadableImage, skipping_unreadable_images
     from fedper.edge.agent import Agent, AgentConfig
     from fedper.edge.backend import choose_backend
     from fedper.edge.engine import AgentError
@@ -91,7 +95,16 @@ def run(
         typer.echo(f"fedper-agent: {line}", err=True)
         config = replace(config, backend=runtime)
         check_codec(compression)
-        run_agent(Agent(config, log=lambda line: typer.echo(line, err=True)))
+        with skipping_unreadable_images() if skip_unreadable_images else nullcontext([]) as skipped:
+            agent = Agent(config, log=lambda line: typer.echo(line, err=True))
+        if skipped:
+            names = ", ".join(str(p.relative_to(data)) for p in skipped[:5])
+            typer.echo(f"fedper-agent: left out {len(skipped)} unreadable image(s) under {data}: {names}"
+                       f"{' ...' if len(skipped) > 5 else ''}", err=True)
+        run_agent(agent)
+    except UnreadableImage as e:
+        typer.echo(f"fedper-agent: {e}; --skip-unreadable-images leaves such files out (and counts them)", err=True)
+        raise typer.Exit(2) from None
     except (AgentError, BrokerRefused, DataError, ManifestError, StateError, WireError, ValueError, OSError) as e:
         typer.echo(f"fedper-agent: {e}", err=True)
         raise typer.Exit(2) from None

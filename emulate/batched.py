@@ -19,7 +19,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from fedper.algorithms import Phase
-from fedper.emulate.train import BatchKey, phase_batches
+from fedper.emulate.train import BatchKey, OnStep, phase_batches
 from fedper.manifest import Manifest
 from fedper.training import freeze_for_phase, ort_batchnorm
 
@@ -38,9 +38,11 @@ def train_clients_batched(
     lr: float,
     momentum: float,
     generators: Sequence[BatchKey],
+    on_step: OnStep | None = None,
 ) -> None:
     """Train every client's slice of `stacked` ({name: [clients, ...]}, all manifest tensors) in place;
-    `generators` are the clients' batch keys (train.client_generator)."""
+    `generators` are the clients' batch keys (train.client_generator). `on_step` hears of each vmapped
+    step with the number of client-batches it took, as train_client counts them."""
     n_clients = len(train_idx)
     # BatchNorm's num_batches_tracked counters (not manifest tensors) are mutated in the forward, so
     # vmap needs them batched too; they are dropped at the end.
@@ -64,6 +66,8 @@ def train_clients_batched(
                         sample = torch.stack([train_idx[j][batches[j][step].to(x.device)] for j in members])
                         _step(batched_grad, model, stacked, velocity, names, members, n_clients,
                               x[sample], y[sample], lr, momentum)
+                        if on_step is not None:
+                            on_step(len(members))
     model.requires_grad_(True)
 
 

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import asdict, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import typer
 
-app = typer.Typer(help="Emulate a FedPer fleet in one process: runs, and the paper's figures.", no_args_is_help=True)
+if TYPE_CHECKING:
+    from fedper.emulate.experiment import RunConfig
+
+app = typer.Typer(help="Emulate a FedPer fleet in one process: runs, and the paper's figures.", no_args_is_help=True,
+                  rich_markup_mode=None)  # plain help: option names whole at 80 columns
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -16,8 +22,39 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+def given_options(ctx: typer.Context) -> set[str]:
+    """The options the user set (on the command line or through the environment), not left at their default."""
+    return {name for name in ctx.params
+            if (source := ctx.get_parameter_source(name)) is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")}
+
+
+# run's options named otherwise in RunConfig
+CONFIG_FIELDS = {"dp_adaptive_clipping": "dp_adaptive_quantile"}
+# what --resume takes from the command line; every other setting is the saved run's
+RESUME_APPLIES = {"rounds", "out", "resume", "progress", "world_size"}
+
+
+def _flat(config: RunConfig) -> dict[str, Any]:
+    return ({f"data.{k}": v for k, v in asdict(config.data).items()}
+            | {f"fleet.{k}": v for k, v in asdict(config.fleet).items()} | {"device": config.device})
+
+
+def resume_notes(saved: RunConfig, asked: RunConfig, given: set[str]) -> list[str]:
+    """A line for each option given with --resume whose value differs from the saved run's: that one applies."""
+    new, old = _flat(asked), _flat(saved)
+    notes = []
+    for option in sorted(given - RESUME_APPLIES):
+        field = CONFIG_FIELDS.get(option, option)
+        path = next((p for p in (f"data.{field}", f"fleet.{field}", field) if p in new and new[p] != old[p]), None)
+        if path is not None:
+            notes.append(f"--{option.replace('_', '-')} {new[path]} does not apply: the resumed run keeps its saved "
+                         f"{field} {old[path]} (config.json); only --rounds changes on --resume")
+    return notes
+
+
 @app.command()
 def run(
+    ctx: typer.Context,
     dataset: str = typer.Option("digits", help="digits | cifar10 | cifar100 | npz | imagefolder | flickr-aes"),
     data: Path | None = typer.Option(None, help="Data path: CIFAR root, .npz file, image folder or FLICKR-AES root"),
     model: str = typer.Option(
@@ -28,17 +65,17 @@ def run(
                                    "(each client alone, the papers' local-only baseline)"),
     kp: int | None = typer.Option(None, help="K_P: head blocks counted from the output (default: the algorithm's "
                                               "paper: fedper, fedper-ft, lg-fedavg 2; fedbabu, fedrep 1; fedavg 0)"),
-    clients: int | None = typer.Option(None, help="Number of clients N (default: 10, FLICKR-AES 30)"),
-    classes_per_client: int = typer.Option(4, help="k: classes each client may sample (partition 'classes')"),
+    clients: int | None = typer.Option(None, min=1, help="Number of clients N (default: 10, FLICKR-AES 30)"),
+    classes_per_client: int = typer.Option(4, min=1, help="k: classes each client may sample (partition 'classes')"),
     partition: str = typer.Option("classes", help="classes (the paper's k-class split) | shards | dirichlet"),
-    shards: int = typer.Option(2, help="Shards per client (partition 'shards')"),
+    shards: int = typer.Option(2, min=1, help="Shards per client (partition 'shards')"),
     alpha: float = typer.Option(0.5, help="Dirichlet concentration (partition 'dirichlet')"),
-    rounds: int = typer.Option(100, help="Communication rounds"),
-    local_epochs: int = typer.Option(4, help="Local epochs per round"),
-    batch_size: int | None = typer.Option(None, help="Batch size (default: 128, FLICKR-AES 4)"),
+    rounds: int = typer.Option(100, min=1, help="Communication rounds (with --resume: the saved run's unless given)"),
+    local_epochs: int = typer.Option(4, min=1, help="Local epochs per round"),
+    batch_size: int | None = typer.Option(None, min=1, help="Batch size (default: 128, FLICKR-AES 4)"),
     lr: float = typer.Option(0.01, help="SGD learning rate"),
     momentum: float = typer.Option(0.0, help="SGD momentum (the paper: none)"),
-    eval_finetune_epochs: int = typer.Option(1, help="FedBABU: fine-tuning epochs before each evaluation"),
+    eval_finetune_epochs: int = typer.Option(1, min=0, help="FedBABU: fine-tuning epochs before each evaluation"),
     eval_finetune: str = typer.Option("all", help="FedBABU: what evaluation fine-tunes, all (their paper) | head"),
     eval_finetune_every_algorithm: bool = typer.Option(
         False, help="Fine-tune every algorithm before its evaluation, as FedBABU's Algorithm 2 evaluates all of them "
@@ -79,21 +116,31 @@ def run(
     engine: str = typer.Option("auto", help="auto (vmap on GPU, sequential on CPU) | sequential | vmap"),
     channels_last: bool = typer.Option(True, help="On CPU, train on batches in NHWC memory order (faster; the "
                                                   "same values to float32 rounding; not the vmap engine)"),
-    input_size: int | None = typer.Option(None, help="Image side in pixels (default: the data's; digits 32)"),
+    input_size: int | None = typer.Option(None, min=1, help="Image side in pixels (default: the data's; digits 32)"),
     scale: float = typer.Option(1.0, help="Fraction (<= 1) of the samples and rounds kept, for smoke runs"),
     out: Path = typer.Option(Path("runs/emulate"), help="Run directory: config.json, metrics.jsonl, state.safetensors"),
-    resume: bool = typer.Option(False, help="Continue the run in --out from its state.safetensors"),
-    progress: bool = typer.Option(True, help="Show a progress bar"),
-    world_size: int = typer.Option(1, help="Spread the clients over this many local processes (gloo on CPU, "
-                                           "NCCL on GPUs); under torchrun leave it at 1"),
+    resume: bool = typer.Option(False, help="Continue the run in --out from its state.safetensors, with its saved "
+                                            "settings (an option given that differs is named, not applied)"),
+    progress: bool = typer.Option(True, help="Show progress: a bar in a terminal, else a line a round"),
+    world_size: int = typer.Option(1, min=1, help="Spread the clients over this many local processes (gloo on CPU, "
+                                                  "NCCL on GPUs); under torchrun leave it at 1"),
 ) -> None:
-    """Run one experiment and write DIR/config.json, metrics.jsonl, summary.json and state.safetensors.
+    """Run one experiment on an emulated fleet.
 
+    Writes DIR/config.json, data.json, metrics.jsonl, summary.json and state.safetensors (DIR is --out).
     Under torchrun (WORLD_SIZE > 1) each process trains its share of the clients and rank 0 writes."""
     from fedper.algorithms import get_algorithm
     from fedper.data import DataError
     from fedper.emulate.data import PAPER_BATCH, PAPER_CLIENTS, DataConfig
-    from fedper.emulate.experiment import RunConfig, RunError, run_experiment, run_launched, run_spawned
+    from fedper.emulate.experiment import (
+        CONFIG,
+        RunConfig,
+        RunError,
+        holds_run,
+        run_experiment,
+        run_launched,
+        run_spawned,
+    )
     from fedper.emulate.fleet import FleetConfig
 
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -111,7 +158,8 @@ def run(
             kp = get_algorithm(algorithm).default_kp
         config = RunConfig(
             data=DataConfig(
-                dataset=dataset, data=str(data) if data else None, clients=clients or PAPER_CLIENTS.get(dataset, 10),
+                dataset=dataset, data=str(data) if data else None,
+                clients=clients if clients is not None else PAPER_CLIENTS.get(dataset, 10),
                 classes_per_client=classes_per_client, partition=partition, shards=shards, alpha=alpha,
                 input_size=input_size, scale=scale, seed=seed,
             ),
@@ -127,9 +175,20 @@ def run(
                 dp_noise_multiplier=dp_noise_multiplier, dp_delta=dp_delta, dp_target_epsilon=dp_target_epsilon,
                 dp_budget_action=dp_budget_action, dp_adaptive_quantile=dp_adaptive_clipping,
             ),
-            rounds=max(1, round(rounds * scale)),
+            rounds=max(1, round(rounds * scale)),  # --scale shrinks the rounds too, never to none
             device=device,
         )
+        if resume and holds_run(out) and (out / CONFIG).is_file():
+            saved = RunConfig.from_json((out / CONFIG).read_text())
+            given = given_options(ctx)
+            if rank == 0:
+                for note in resume_notes(saved, config, given):
+                    typer.echo(f"note: {note}", err=True)
+            if "rounds" in given:  # before the saved run's --scale, as when it started
+                saved = replace(saved, rounds=max(1, round(rounds * saved.data.scale)))
+            config = saved
+            if rank == 0:
+                typer.echo(f"resuming {out} to round {config.rounds}", err=True)
         options = {"resume": resume, "show_progress": progress}
         if launched:
             summary = run_launched(config, out, **options)
@@ -163,36 +222,39 @@ def figure(
     name: str = typer.Argument(
         ..., help="fig2 | fig3 | fig4 | fig5-6 | fig7-8 | fig9-10 | fig11-12 | a3 | babu | dp | bn | async "
                   "(synchronous and asynchronous FedPer on a simulated clock)"),
-    preset: str | None = typer.Option(None, help="smoke: MobileNet-v1 x0.25 on 5% of CIFAR-10 for 20 rounds "
+    preset: str | None = typer.Option(None, help="smoke: MobileNet-v1 x0.25 on 5% of CIFAR-10 for 20 rounds; "
+                                                 "digits: the same training on digits, 15 rounds, a few minutes "
                                                  "(fedper.emulate.figures.PRESETS); options given here win"),
     scale: float | None = typer.Option(None, help="Fraction (<= 1) of the samples and rounds kept, for smoke runs "
                                                   "(default 1)"),
-    data: Path | None = typer.Option(None, help="Data for the figure (CIFAR root, .npz, FLICKR-AES root)"),
+    data: Path | None = typer.Option(None, help="Data for the figure: a CIFAR root, an .npz, an image folder or a "
+                                                "FLICKR-AES root"),
     dataset: str | None = typer.Option(None, help="Override the figure's dataset (e.g. digits, npz)"),
-    rounds: int | None = typer.Option(None, help="Rounds before --scale (default: the paper's 100; babu FedBABU's "
-                                                 "320 / local epochs, lr x0.1 after half and three quarters of them)"),
+    rounds: int | None = typer.Option(None, min=1, help="Rounds before --scale (default: the paper's 100; babu "
+                                      "FedBABU's 320 / local epochs, lr x0.1 after half and three quarters of them)"),
     width: float | None = typer.Option(None, help="Width multiplier (default 1.0)"),
-    local_epochs: int | None = typer.Option(None, help="Local epochs (default 4)"),
-    batch_size: int | None = typer.Option(None, help="Batch size (default 128; FLICKR-AES 4; babu 50)"),
+    local_epochs: int | None = typer.Option(None, min=1, help="Local epochs (default 4)"),
+    batch_size: int | None = typer.Option(None, min=1, help="Batch size (default 128; FLICKR-AES 4; babu 50)"),
     lr: float | None = typer.Option(None, help="SGD learning rate (default 0.01; babu 0.1)"),
     momentum: float | None = typer.Option(None, help="SGD momentum (default 0; babu 0.9)"),
-    eval_finetune_epochs: int | None = typer.Option(None, help="Fine-tuning epochs before an evaluation (FedBABU, "
-                                                               "and babu's every algorithm; default 1, babu 5)"),
-    clients: int | None = typer.Option(None, help="Clients (default 10; FLICKR-AES 30; babu 100)"),
-    classes_per_client: int | None = typer.Option(None, help="k for the figures with one k (default 4)"),
-    shards: int | None = typer.Option(None, help="Shards per client of babu's shard split (default: FedBABU's 10)"),
+    eval_finetune_epochs: int | None = typer.Option(None, min=0, help="Fine-tuning epochs before an evaluation "
+                                                    "(FedBABU, and babu's every algorithm; default 1, babu 5)"),
+    clients: int | None = typer.Option(None, min=1, help="Clients (default 10; FLICKR-AES 30; babu 100)"),
+    classes_per_client: int | None = typer.Option(None, min=1, help="k for the figures with one k (default 4)"),
+    shards: int | None = typer.Option(None, min=1, help="Shards per client of babu's shard split (default: "
+                                                        "FedBABU's 10)"),
     clients_per_round: int | None = typer.Option(None, min=1, help="M clients trained per round (default: every "
                                                  "client; babu sets its own)"),
     clip_norm: float | None = typer.Option(None, min=0.0, help="dp: the clip norm C of its DP runs (default 1.0; "
                                            "about the median update norm)"),
     dp_delta: float | None = typer.Option(None, min=0.0, max=1.0, help="dp: the delta epsilon is reported at "
                                           "(default 1e-5)"),
-    input_size: int | None = typer.Option(None, help="Image side in pixels (default: the data's)"),
+    input_size: int | None = typer.Option(None, min=1, help="Image side in pixels (default: the data's)"),
     seed: int = typer.Option(0, help="Seed of every run"),
-    model: list[str] | None = typer.Option(None, help="Only the curves of this model (repeatable)"),
+    model: list[str] | None = typer.Option(None, metavar="MODEL", help="Only the curves of this model (repeatable)"),
     device: str = typer.Option("auto", help="auto (cuda when present, else cpu) | cpu | cuda"),
     out: Path = typer.Option(Path("runs/figures"), help="Folder for the runs; the PNG is OUT/NAME.png"),
-    progress: bool = typer.Option(True, help="Show a progress bar per run"),
+    progress: bool = typer.Option(True, help="Show each run's progress: bars in a terminal, else a line a round"),
     jobs: int = typer.Option(1, min=1, help="Runs at a time, each in its own single-threaded process (CPU: up to "
                                             "one per core)"),
     trace: Path | None = typer.Option(None, help="async: device trace, FedScale's format as JSON (default: the "
@@ -207,7 +269,9 @@ def figure(
     deadline: float | None = typer.Option(None, min=0.0, help="async, synchronous curves: close a round after this "
                                                               "many simulated seconds once it has an update"),
 ) -> None:
-    """Run a named grid of experiments (reusing finished runs) and draw the paper's figure as PNG."""
+    """Draw one of the papers' figures from a grid of runs.
+
+    Finished runs are reused and interrupted ones resumed; the PNG is OUT/NAME.png."""
     from fedper.data import DataError
     from fedper.emulate.experiment import RunError
     from fedper.emulate.figures import make_figure, with_preset
@@ -220,12 +284,13 @@ def figure(
     clock = {"trace": str(trace) if trace else None, "concurrency": concurrency, "buffer_size": buffer_size,
              "max_staleness": max_staleness, "over_select": over_select, "deadline_s": deadline}
     try:
-        chosen = with_preset(preset, {"scale": scale, "rounds": rounds, "model": model or None} | fleet | data_opts)
+        chosen = with_preset(preset, {"scale": scale, "rounds": rounds, "model": model or None, "dataset": dataset}
+                             | fleet | data_opts)
         scale = 1.0 if chosen["scale"] is None else chosen["scale"]
         if not 0 < scale <= 1:
             raise ValueError(f"--scale must lie in (0, 1], got {scale}")
         png = make_figure(
-            name, out=out, scale=scale, data=data, dataset=dataset, device=device, rounds=chosen["rounds"],
+            name, out=out, scale=scale, data=data, dataset=chosen["dataset"], device=device, rounds=chosen["rounds"],
             fleet_overrides={k: chosen[k] for k in fleet if chosen[k] is not None} | {"seed": seed},
             data_overrides={k: chosen[k] for k in data_opts if chosen[k] is not None} | {"seed": seed},
             models=tuple(chosen["model"] or ()), show_progress=progress, jobs=jobs,

@@ -14,11 +14,11 @@ from fedper.data import (
     DataError,
     DataSplits,
     assign_test_by_classes,
-    load_cifar,
+    chance_accuracy,
+    dataset_name,
     load_digits,
     load_flickr_aes,
-    load_image_folder,
-    load_npz,
+    load_images,
     split_dirichlet,
     split_k_classes,
     split_shards,
@@ -57,6 +57,7 @@ class FleetData:
     y: torch.Tensor  # int64
     clients: list[tuple[torch.Tensor, torch.Tensor]]  # per client: (train indices, test indices) on the device
     classes: list[str]
+    name: str = ""  # what the data set is, for titles (fedper.data.dataset_name): an .npz of CIFAR-10 is CIFAR-10
 
     @property
     def input_size(self) -> int:
@@ -65,6 +66,11 @@ class FleetData:
     @property
     def n_train(self) -> list[int]:
         return [len(train) for train, _ in self.clients]
+
+    def chance_accuracy(self, personal: bool) -> float:
+        """The label prior's accuracy on the clients' test splits (fedper.data.chance_accuracy)."""
+        y = self.y.cpu().numpy()
+        return chance_accuracy([y[test.cpu().numpy()] for _, test in self.clients], len(self.classes), personal)
 
 
 def _thin(ds: ArrayDataset, scale: float, seed: int) -> ArrayDataset:
@@ -79,18 +85,19 @@ def _thin(ds: ArrayDataset, scale: float, seed: int) -> ArrayDataset:
     return ds.subset(np.sort(np.concatenate(keep)))
 
 
-def _read_source(cfg: DataConfig) -> DataSplits | list[DataSplits]:
+def read_source(cfg: DataConfig) -> DataSplits | list[DataSplits]:
+    """The data set `cfg` names, as read from its --data path (a CIFAR root, an .npz or an image folder, by
+    what the path is), before any partition."""
     if cfg.dataset == "digits":
         return load_digits(image_size=cfg.input_size or 32)
+    if cfg.dataset not in DATASETS:
+        raise DataError(f"unknown dataset {cfg.dataset!r}; choose one of {', '.join(DATASETS)}")
     if cfg.data is None:
         raise DataError(f"--dataset {cfg.dataset} needs --data PATH")
-    path = Path(cfg.data)
-    if cfg.dataset in ("cifar10", "cifar100"):
-        return load_cifar(path, cfg.dataset)
-    if cfg.dataset == "npz":
-        return load_npz(path)
-    if cfg.dataset == "imagefolder":
-        return load_image_folder(path, cfg.input_size)
+    path = Path(cfg.data).expanduser()
+    if cfg.dataset in ("cifar10", "cifar100", "npz", "imagefolder"):
+        cifar = cfg.dataset if cfg.dataset.startswith("cifar") else None
+        return load_images(path, cifar=cifar, image_size=cfg.input_size)
     if cfg.dataset == "flickr-aes":
         return load_flickr_aes(path, n_workers=cfg.clients, image_size=cfg.input_size or 224, seed=cfg.seed)
     raise DataError(f"unknown dataset {cfg.dataset!r}; choose one of {', '.join(DATASETS)}")
@@ -106,10 +113,28 @@ def _partition(cfg: DataConfig, labels: np.ndarray) -> list[np.ndarray]:
     raise DataError(f"unknown partition {cfg.partition!r}; choose one of {', '.join(PARTITIONS)}")
 
 
+def client_split(cfg: DataConfig, source: DataSplits | list[DataSplits]) -> tuple[
+    list[ArrayDataset], list[tuple[np.ndarray, np.ndarray]]
+]:
+    """The arrays to concatenate, and each client's (train, test) indices into their concatenation; a split
+    that leaves a client without training or test samples is refused, saying which options change it."""
+    arrays, indices = _client_indices(cfg, source)
+    empty = [i for i, (tr, te) in enumerate(indices) if len(tr) == 0 or len(te) == 0]
+    if empty:
+        kept = sum(len(a) for a in arrays)
+        by_classes = cfg.partition == "classes"
+        split = f"k={cfg.classes_per_client} classes each" if by_classes else f"--partition {cfg.partition}"
+        raise DataError(
+            f"client(s) {', '.join(map(str, empty[:8]))}{' ...' if len(empty) > 8 else ''} of {len(indices)} would "
+            f"get no training or no test samples: {kept} images of {cfg.dataset}"
+            f"{f' (--scale {cfg.scale:g})' if cfg.scale < 1 else ''} split among {len(indices)} clients, {split}; "
+            f"use a larger --scale, fewer --clients{' or a smaller --classes-per-client' if by_classes else ''}")
+    return arrays, indices
+
+
 def _client_indices(cfg: DataConfig, source: DataSplits | list[DataSplits]) -> tuple[
     list[ArrayDataset], list[tuple[np.ndarray, np.ndarray]]
 ]:
-    """The arrays to concatenate, and each client's (train, test) indices into their concatenation."""
     if isinstance(source, list):  # FLICKR-AES: one device per worker, already split 80/20
         parts = [s for w in source for s in (_thin(w.train, cfg.scale, cfg.seed), _thin(w.test, cfg.scale, cfg.seed))]
         offsets = np.cumsum([0, *(len(p) for p in parts)])
@@ -130,8 +155,7 @@ def load_fleet_data(cfg: DataConfig, device: torch.device | str = "cpu") -> Flee
     """Read, partition and normalize a source, and move it to `device` once."""
     if not 0 < cfg.scale <= 1:
         raise DataError(f"--scale must lie in (0, 1], got {cfg.scale}")
-    source = _read_source(cfg)
-    arrays, indices = _client_indices(cfg, source)
+    arrays, indices = client_split(cfg, read_source(cfg))
     sizes = {a.x.shape[1:3] for a in arrays}
     if len(sizes) != 1:
         raise DataError(f"train and test images differ in size ({sorted(sizes)}); pass --input-size")
@@ -139,12 +163,10 @@ def load_fleet_data(cfg: DataConfig, device: torch.device | str = "cpu") -> Flee
     if cfg.input_size is not None and x.shape[-1] != cfg.input_size:
         x = torch.nn.functional.interpolate(x, size=(cfg.input_size,) * 2, mode="bilinear", align_corners=False)
     y = torch.from_numpy(np.concatenate([a.y for a in arrays]))
-    empty = [i for i, (tr, te) in enumerate(indices) if len(tr) == 0 or len(te) == 0]
-    if empty:
-        raise DataError(f"client(s) {empty[:5]} got no train or no test samples; use fewer clients or a larger --scale")
     return FleetData(
         x=x.to(device),
         y=y.to(device),
         clients=[(torch.as_tensor(tr, device=device), torch.as_tensor(te, device=device)) for tr, te in indices],
         classes=list(arrays[0].classes),
+        name=dataset_name(cfg.dataset, arrays[0].classes, cfg.data),
     )

@@ -1,4 +1,5 @@
-"""A run on disk: DIR/config.json, DIR/metrics.jsonl (one line per round), DIR/summary.json and
+"""A run on disk: DIR/config.json, DIR/data.json (what the data set is, each client's sample counts and
+the accuracy of a guess from the label prior), DIR/metrics.jsonl (one line per round), DIR/summary.json and
 DIR/state.safetensors (a fedper.checkpoint, rewritten atomically after every round), so a killed
 run resumes from its last round and ends exactly where an uninterrupted one would. A run saved
 before the checkpoint format (DIR/state.pt, written by torch.save) is converted once on --resume.
@@ -14,6 +15,8 @@ import math
 import os
 import statistics
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -24,8 +27,11 @@ from fedper.algorithms import Algorithm
 from fedper.emulate import distributed
 from fedper.emulate.data import DataConfig, load_fleet_data
 from fedper.emulate.fleet import Fleet, FleetConfig, FleetState, load_state, resolve_device, save_state
+from fedper.emulate.progress import Board, Event
 
 CONFIG, METRICS, SUMMARY, STATE = "config.json", "metrics.jsonl", "summary.json", "state.safetensors"
+DATA = "data.json"
+STEP_REPORT_S = 0.5  # a run reports its steps within a round at most this often
 LEGACY_STATE = "state.pt"  # torch.save's pickle, before the checkpoint format: read once, on --resume
 
 log = logging.getLogger("fedper.emulate")
@@ -66,9 +72,16 @@ def run_experiment(
     resume: bool = False,
     show_progress: bool = True,
     algorithm: Algorithm | None = None,
+    report: Callable[[Event], None] | None = None,
+    label: str | None = None,
 ) -> dict:
     """Run (or resume) `config` in `out`; returns the summary. On resume, the rounds of `config`
-    may differ from the saved ones (to extend a run); everything else comes from DIR/config.json."""
+    may differ from the saved ones (to extend a run); everything else comes from DIR/config.json.
+    Progress goes to `report` (events keyed by `out`, named `label`) when given, else to a bar of its own
+    (or a line a round without a terminal) when `show_progress`."""
+    if report is None:
+        with Board(show_progress and distributed.rank() == 0) as board:
+            return run_experiment(config, out, resume=resume, algorithm=algorithm, report=board.report, label=label)
     out = Path(out)
     config, saved, history = distributed.from_rank0(lambda: _prepare(config, out, resume))
     device = distributed.local_device(resolve_device(config.device))
@@ -85,30 +98,63 @@ def run_experiment(
     if writer:
         out.mkdir(parents=True, exist_ok=True)
         checkpoint.atomic_write(out / CONFIG, config.to_json().encode())
+        checkpoint.write_json(out / DATA, describe_data(fleet), indent=2)
         with (out / METRICS).open("w") as f:
             f.writelines(json.dumps(m) + "\n" for m in history)
+    tell = report if writer else (lambda event: None)
+    key = str(out)
+    tell({"event": "start", "run": key, "label": label or f"{config.fleet.algorithm} K_P={config.fleet.kp}",
+          "rounds": config.rounds, "done": state.round})
     budget_stopped = False
-    with _progress(show_progress and writer) as progress:
-        task = progress.add_task(f"{config.fleet.algorithm} ({fleet.engine})", total=config.rounds,
-                                 completed=state.round, acc=history[-1]["mean_accuracy"] if history else 0.0)
-        while state.round < config.rounds:
-            if fleet.budget_stops(state):  # --dp-target-epsilon: also on resume, from the saved accountant
-                budget_stopped = True
-                break
-            state, metrics = fleet.run_round(state)
-            local = distributed.gather_local(state.local, members)
-            if writer:
-                with (out / METRICS).open("a") as f:
-                    f.write(json.dumps(metrics) + "\n")
-                save_state(replace(state, local=local), out / STATE)
-            history.append(metrics)
-            progress.update(task, advance=1, acc=metrics["mean_accuracy"])
+    while state.round < config.rounds:
+        if fleet.budget_stops(state):  # --dp-target-epsilon: also on resume, from the saved accountant
+            budget_stopped = True
+            break
+        state, metrics = fleet.run_round(state, on_step=_StepReporter(tell, key, fleet.round_steps(state)))
+        local = distributed.gather_local(state.local, members)
+        if writer:
+            with (out / METRICS).open("a") as f:
+                f.write(json.dumps(metrics) + "\n")
+            save_state(replace(state, local=local), out / STATE)
+        history.append(metrics)
+        tell({"event": "round", "run": key, "round": state.round, "rounds": config.rounds,
+              "accuracy": metrics["mean_accuracy"], "wall_s": metrics["wall_s"]})
+    tell({"event": "end", "run": key})
     summary = _summary(config, fleet, history)
     if state.privacy is not None:
         summary["dp"] = _privacy_summary(config, state, budget_stopped)
     if writer:
         checkpoint.write_json(out / SUMMARY, summary, indent=2)
     return summary
+
+
+class _StepReporter:
+    """run_round's on_step: counts the round's client-batches and reports them at most every STEP_REPORT_S."""
+
+    def __init__(self, report: Callable[[Event], None], key: str, steps: int) -> None:
+        self.report, self.key, self.steps = report, key, steps
+        self.done, self.last = 0, 0.0
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if now - self.last >= STEP_REPORT_S:
+            self.last = now
+            self.report({"event": "step", "run": self.key, "steps": self.done, "of": self.steps})
+
+
+def describe_data(fleet: Fleet) -> dict:
+    """DIR/data.json: what the data set is (an .npz of CIFAR-10 is CIFAR-10), its classes, each client's
+    sample counts, and the accuracy of a guess from the label prior alone (a model with a head of its own per
+    client can answer each client's most frequent class; one shared model, one class for all), the line
+    a figure draws as chance."""
+    data = fleet.data
+    personal = bool(fleet.local_names)
+    return {"name": data.name, "classes": data.classes, "n_train": data.n_train,
+            "n_test": [len(test) for _, test in data.clients],
+            "chance_accuracy": data.chance_accuracy(personal),
+            "chance_rule": "each client's most frequent test class" if personal
+            else "the one class most frequent over the clients' test splits"}
 
 
 def _prepare(config: RunConfig, out: Path, resume: bool) -> tuple[RunConfig, FleetState | None, list[dict]]:
@@ -224,11 +270,3 @@ def _privacy_summary(config: RunConfig, state: FleetState, budget_stopped: bool)
             "clip_norm": clipping.clip_norm if clipping else fleet.clip_norm,
             "rounds_accounted": state.privacy.accountant.rounds, "budget_stopped": budget_stopped}
 
-
-def _progress(enabled: bool):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("round"),
-        TextColumn("mean acc {task.fields[acc]:.3f}"), TimeRemainingColumn(), disable=not enabled,
-    )

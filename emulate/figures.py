@@ -9,19 +9,25 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import queue
 import shutil
 import statistics
 import sys
 import textwrap
+import threading
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 from fedper.algorithms import get_algorithm
 from fedper.data import DataError
-from fedper.emulate.data import PAPER_BATCH, PAPER_CLIENTS, DataConfig
-from fedper.emulate.experiment import CONFIG, METRICS, STATE, SUMMARY, RunConfig, run_experiment
+from fedper.data.sources import DATASET_NAMES
+from fedper.emulate.data import PAPER_BATCH, PAPER_CLIENTS, DataConfig, client_split, read_source
+from fedper.emulate.experiment import CONFIG, DATA, METRICS, STATE, SUMMARY, RunConfig, run_experiment
 from fedper.emulate.fleet import FleetConfig
+from fedper.emulate.progress import Board, Event
 from fedper.emulate.variants import LINEAR_PREFIX
 from fedper.manifest import BN_POLICIES
 
@@ -138,10 +144,14 @@ FINETUNED_EVALUATIONS = 8  # babu fine-tunes every client at about this many eva
 # `--preset smoke`: fig2/fig3/... on real CIFAR-10 at 32x32, reduced so that a 2-core CPU runs a figure in
 # about an hour; docs/reproducing.md states how far its final accuracies move across seeds. The keys are the
 # figure command's options (scale 0.05: 250 training images per client of N = 10, and 400 x 0.05 = 20 rounds);
-# an option given on the command line wins over the preset's.
+# an option given on the command line wins over the preset's. `--preset digits`: the same training on
+# scikit-learn's digits (no download), 15 rounds: a figure in a few minutes on 2 cores (docs/quickstart.md), a
+# check of the pipeline rather than of the paper.
 PRESETS: dict[str, dict[str, object]] = {
     "smoke": {"model": ["mobilenet_v1"], "scale": 0.05, "rounds": 400, "width": 0.25, "local_epochs": 1,
               "batch_size": 32, "lr": 0.05, "momentum": 0.9},
+    "digits": {"dataset": "digits", "model": ["mobilenet_v1"], "rounds": 15, "width": 0.25, "local_epochs": 1,
+               "batch_size": 32, "lr": 0.05, "momentum": 0.9},
 }
 
 
@@ -219,7 +229,8 @@ def make_figure(
             f"pass --data, or --dataset digits for a zero-download smoke run"
         )
     out = Path(out) / name
-    run_dirs, pending = [], []
+    run_dirs: list[Path] = []
+    pending: list[tuple[RunConfig, Path, bool, str]] = []
     curves = [(i, seeded) for i, curve in enumerate(spec.curves) for seeded in _seeded(curve, spec.seeds)]
     for i, curve in curves:
         # the paper's per-data-set settings, unless the command set them
@@ -246,18 +257,40 @@ def make_figure(
         if spec.seeds > 1:
             run_dir = run_dir.with_name(f"{run_dir.name}-seed{f.seed}")
         if not _finished(run_dir, config):
-            resume = _resumable(run_dir, config)
-            if not resume and run_dir.exists():
-                print(f"{run_dir}: its settings differ from this command's, so it starts over", file=sys.stderr)
-                shutil.rmtree(run_dir)
-            pending.append((config, run_dir, resume))
+            pending.append((config, run_dir, _resumable(run_dir, config), _curve_label(curve, spec.seeds)))
         run_dirs.append(run_dir)
+    _check_data(name, pending)  # every curve's split, before any of them trains
+    for _, run_dir, resume, _ in pending:
+        if not resume and run_dir.exists():
+            print(f"{run_dir}: its settings differ from this command's, so it starts over", file=sys.stderr)
+            shutil.rmtree(run_dir)
     _run_all(pending, jobs, show_progress)
-    runs = _over_seeds([(curve, _history(run_dir)) for (_, curve), run_dir in zip(curves, run_dirs, strict=True)],
-                       spec.seeds)
+    runs = _over_seeds([(curve, _history(run_dir), _data_info(run_dir))
+                        for (_, curve), run_dir in zip(curves, run_dirs, strict=True)], spec.seeds)
     png = out.parent / (f"{name}-s{base_data.shards}.png" if base_data.partition == "shards" else f"{name}.png")
-    (_draw_epsilon if spec.plot == "epsilon" else _draw)(spec, runs, png, chosen)
+    named = next((info["name"] for _, _, info in runs if info.get("name")), DATASET_NAMES.get(chosen, chosen))
+    (_draw_epsilon if spec.plot == "epsilon" else _draw)(spec, runs, png, named)
     return png
+
+
+def _curve_label(curve: Curve, seeds: int) -> str:
+    label = f"{curve.panel}: {curve.label}" if curve.panel else curve.label
+    return f"{label}, seed {curve.fleet.seed}" if seeds > 1 else label
+
+
+def _check_data(name: str, pending: list[tuple[RunConfig, Path, bool, str]]) -> None:
+    """Split the data of every curve still to run, so that a setting that leaves a client without samples
+    stops the command at once, naming the curve, instead of after the curves before it have trained."""
+    sources: dict[tuple, Any] = {}
+    for config, _, _, label in pending:
+        d = config.data
+        key = (d.dataset, d.data, d.input_size, d.clients, d.seed)  # what read_source depends on
+        if key not in sources:
+            sources[key] = read_source(d)
+        try:
+            client_split(d, sources[key])
+        except DataError as e:
+            raise DataError(f"figure {name}, curve {label}: {e}") from None
 
 
 def _single_threaded() -> None:
@@ -266,20 +299,52 @@ def _single_threaded() -> None:
     torch.set_num_threads(1)
 
 
-def _run_all(pending: list[tuple[RunConfig, Path, bool]], jobs: int, show_progress: bool) -> None:
+def _run_all(pending: list[tuple[RunConfig, Path, bool, str]], jobs: int, show_progress: bool) -> None:
     """The runs one after another, or `jobs` at a time in single-threaded processes: on a CPU shared with
-    other work, one process per core is faster than one process whose threads wait for each other."""
+    other work, one process per core is faster than one process whose threads wait for each other. Every
+    run's progress goes to one board, from the other processes through a queue."""
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
-    if jobs == 1 or len(pending) <= 1:
-        for config, run_dir, resume in pending:
-            run_experiment(config, run_dir, resume=resume, show_progress=show_progress)
-        return
-    spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch thread pool inherited by fork
-    with ProcessPoolExecutor(min(jobs, len(pending)), mp_context=spawn, initializer=_single_threaded) as pool:
-        futures = [pool.submit(run_experiment, c, d, resume=r, show_progress=False) for c, d, r in pending]
+    with Board(show_progress) as board:
+        if jobs == 1 or len(pending) <= 1:
+            for config, run_dir, resume, label in pending:
+                run_experiment(config, run_dir, resume=resume, report=board.report, label=label)
+            return
+        spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch thread pool inherited by fork
+        workers = min(jobs, len(pending))
+        if not show_progress:
+            _in_processes(spawn, workers, pending, None)
+            return
+        print(f"{len(pending)} runs, {workers} at a time", file=sys.stderr)
+        with spawn.Manager() as manager:
+            events = manager.Queue()
+            pump = threading.Thread(target=_pump, args=(events, board), daemon=True)
+            pump.start()
+            try:
+                _in_processes(spawn, workers, pending, partial(_put, events))
+            finally:
+                events.put(None)
+                pump.join()
+
+
+def _in_processes(context: Any, workers: int, pending: list[tuple[RunConfig, Path, bool, str]],
+                  report: Any) -> None:
+    """The runs in `workers` single-threaded processes, their progress to `report` (None: none shown)."""
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_single_threaded) as pool:
+        futures = [pool.submit(run_experiment, c, d, resume=r, show_progress=report is not None, report=report,
+                               label=label) for c, d, r, label in pending]
         for future in futures:
             future.result()
+
+
+def _put(events: queue.Queue, event: Event) -> None:
+    events.put(event)
+
+
+def _pump(events: queue.Queue, board: Board) -> None:
+    """Hand the runs' progress events to the board until None comes."""
+    while (event := events.get()) is not None:
+        board.report(event)
 
 
 def _seeded(curve: Curve, seeds: int) -> list[Curve]:
@@ -290,19 +355,26 @@ def _seeded(curve: Curve, seeds: int) -> list[Curve]:
                     fleet=replace(curve.fleet, seed=curve.fleet.seed + s)) for s in range(seeds)]
 
 
-def _over_seeds(runs: list[tuple[Curve, list[dict]]], seeds: int) -> list[tuple[Curve, list[dict]]]:
+Run = tuple[Curve, list[dict], dict]  # a curve, its metrics per round, its data.json
+
+
+def _over_seeds(runs: list[Run], seeds: int) -> list[Run]:
     """Each curve's `seeds` consecutive runs as one history: per round, the mean over seeds of the mean
-    accuracy, and as `accuracy` each seed's mean accuracy (so the band is the spread over seeds)."""
+    accuracy, and as `accuracy` each seed's mean accuracy (so the band is the spread over seeds); the chance
+    line is the mean of the seeds' (each seed splits the data its own way)."""
     if seeds == 1:
         return runs
     merged = []
     for start in range(0, len(runs), seeds):
-        histories = [history for _, history in runs[start : start + seeds]]
-        merged.append((runs[start][0], [
+        group = runs[start : start + seeds]
+        histories = [history for _, history, _ in group]
+        chances = [info["chance_accuracy"] for _, _, info in group if "chance_accuracy" in info]
+        info = group[0][2] | ({"chance_accuracy": statistics.fmean(chances)} if chances else {})
+        merged.append((group[0][0], [
             {"round": rows[0]["round"], "mean_accuracy": statistics.fmean(m["mean_accuracy"] for m in rows),
              "accuracy": [m["mean_accuracy"] for m in rows]}
             for rows in zip(*histories, strict=False)
-        ]))
+        ], info))
     return merged
 
 
@@ -325,23 +397,57 @@ def _history(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines() if line.strip()]
 
 
-def dataset_tag(spec: Spec, dataset: str) -> str:
-    """The data a figure was drawn from, for its title: named a substitute when the paper has no such figure on it."""
-    return dataset if dataset in (spec.dataset, *spec.also_on) else f"{dataset}, a substitute for {spec.dataset}"
+def _data_info(run_dir: Path) -> dict:
+    """The run's data.json ({} for a run written before it existed: no chance line then)."""
+    path = run_dir / DATA
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def _draw(spec: Spec, runs: list[tuple[Curve, list[dict]]], png: Path, dataset: str) -> None:
+def dataset_tag(spec: Spec, name: str) -> str:
+    """The data a figure was drawn from (its real name: an .npz of CIFAR-10 is CIFAR-10), for its title:
+    named a substitute when the paper has no such figure on it."""
+    papers = [DATASET_NAMES.get(d, d) for d in (spec.dataset, *spec.also_on)]
+    return name if name in papers else f"{name}, a substitute for {papers[0]}"
+
+
+CHANCE_STYLE = {"ls": ":", "lw": 1.2}
+
+
+def draw_chance(ax: Any, chance: float | None, colour: str) -> None:
+    """A curve's label prior as a dotted line in its colour: the accuracy of a guess that learned nothing."""
+    if chance is not None:
+        ax.axhline(chance, color=colour, **CHANCE_STYLE)
+
+
+def chance_legend(ax: Any, drawn: bool, colour: str = "grey") -> None:
+    """The legend, with one entry that explains the dotted chance lines when any was drawn."""
+    from matplotlib.lines import Line2D
+
+    handles, _ = ax.get_legend_handles_labels()
+    if drawn:
+        handles.append(Line2D([], [], color=colour, label="chance (label prior)", **CHANCE_STYLE))
+    ax.legend(handles=handles, fontsize=8)
+
+
+def integer_rounds(ax: Any) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _draw(spec: Spec, runs: list[Run], png: Path, dataset: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = list(dict.fromkeys(curve.panel for curve, _ in runs))
+    panels = list(dict.fromkeys(curve.panel for curve, _, _ in runs))
     cols = min(3, len(panels))
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False, sharey=True)
     for ax, panel in zip(axes.flat, panels, strict=False):
-        for curve, history in runs:
+        chances = False
+        for curve, history, info in runs:
             if curve.panel != panel:
                 continue
             x = [m["round"] for m in history]
@@ -355,11 +461,14 @@ def _draw(spec: Spec, runs: list[tuple[Curve, list[dict]]], png: Path, dataset: 
             if spec.band:
                 ax.fill_between(x, [min(m["accuracy"]) for m in history], [max(m["accuracy"]) for m in history],
                                 color=line.get_color(), alpha=0.2)
-        finetuned = any("mean_initial_accuracy" in m for c, history in runs if c.panel == panel for m in history)
+            draw_chance(ax, info.get("chance_accuracy"), line.get_color())
+            chances = chances or "chance_accuracy" in info
+        finetuned = any("mean_initial_accuracy" in m for c, history, _ in runs if c.panel == panel for m in history)
         ax.set_title(f"{panel}; dashed: before fine-tuning" if finetuned else panel, fontsize=10)
         ax.set_xlabel("round")
+        integer_rounds(ax)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        chance_legend(ax, chances)
     for ax in axes[:, 0]:
         ax.set_ylabel("mean test accuracy")
     for ax in list(axes.flat)[len(panels):]:
@@ -372,7 +481,7 @@ def _draw(spec: Spec, runs: list[tuple[Curve, list[dict]]], png: Path, dataset: 
     plt.close(fig)
 
 
-def _draw_epsilon(spec: Spec, runs: list[tuple[Curve, list[dict]]], png: Path, dataset: str) -> None:
+def _draw_epsilon(spec: Spec, runs: list[Run], png: Path, dataset: str) -> None:
     """Left: each algorithm's last-round mean accuracy against the epsilon its run spent (log scale), one point
     per noise multiplier; runs without a finite epsilon (non-private, z = 0) as horizontal lines. Right: the
     accuracy per round of every run, one colour per algorithm."""
@@ -382,14 +491,20 @@ def _draw_epsilon(spec: Spec, runs: list[tuple[Curve, list[dict]]], png: Path, d
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-    algorithms = list(dict.fromkeys(curve.fleet.algorithm for curve, _ in runs))
-    styles = ["-", ":", "-.", "--", (0, (1, 4)), (0, (5, 1))]
-    noises = list(dict.fromkeys(curve.fleet.dp_noise_multiplier for curve, _ in runs))
-    delta = next((c.fleet.dp_delta for c, _ in runs if c.fleet.dp_noise_multiplier is not None), None)
+    algorithms = list(dict.fromkeys(curve.fleet.algorithm for curve, _, _ in runs))
+    styles = ["-", "--", "-.", (0, (5, 1)), (0, (3, 1, 1, 1)), (0, (5, 5))]  # dotted is the chance line's
+    noises = list(dict.fromkeys(curve.fleet.dp_noise_multiplier for curve, _, _ in runs))
+    delta = next((c.fleet.dp_delta for c, _, _ in runs if c.fleet.dp_noise_multiplier is not None), None)
+    chances = False
     for i, algorithm in enumerate(algorithms):
         colour = f"C{i}"
         points = []
-        for curve, history in runs:
+        chance = next((info["chance_accuracy"] for c, _, info in runs
+                       if c.fleet.algorithm == algorithm and "chance_accuracy" in info), None)
+        for ax in (left, right):
+            draw_chance(ax, chance, colour)
+        chances = chances or chance is not None
+        for curve, history, _ in runs:
             if curve.fleet.algorithm != algorithm or not history:
                 continue
             z, accuracy = curve.fleet.dp_noise_multiplier, history[-1]["mean_accuracy"]
@@ -397,7 +512,7 @@ def _draw_epsilon(spec: Spec, runs: list[tuple[Curve, list[dict]]], png: Path, d
             if epsilon is not None:
                 points.append((epsilon, accuracy, z))
             else:
-                left.axhline(accuracy, color=colour, ls="--" if z is None else ":", lw=1,
+                left.axhline(accuracy, color=colour, ls="--" if z is None else "-.", lw=1,
                              label=curve.label + ("" if z is None else " (clipped, epsilon unbounded)"))
             right.plot([m["round"] for m in history], [m["mean_accuracy"] for m in history], color=colour,
                        ls=styles[noises.index(z) % len(styles)], label=curve.label)
@@ -407,7 +522,7 @@ def _draw_epsilon(spec: Spec, runs: list[tuple[Curve, list[dict]]], png: Path, d
             for epsilon, accuracy, z in points:
                 left.annotate(f"z={z:g}", (epsilon, accuracy), xytext=(3, 3), textcoords="offset points", fontsize=7)
     left.set_xscale("log")
-    private = next((c for c, _ in runs if c.fleet.dp_noise_multiplier is not None), None)
+    private = next((c for c, _, _ in runs if c.fleet.dp_noise_multiplier is not None), None)
     setting = "" if private is None else (f"clip norm {private.fleet.clip_norm:g}, "
                                           f"{private.fleet.clients_per_round or private.data.clients} of "
                                           f"{private.data.clients} clients a round, ")
@@ -415,9 +530,10 @@ def _draw_epsilon(spec: Spec, runs: list[tuple[Curve, list[dict]]], png: Path, d
     left.set_ylabel("mean personalized accuracy (last round)")
     right.set_xlabel("round")
     right.set_ylabel("mean test accuracy")
+    integer_rounds(right)
     for ax in (left, right):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        chance_legend(ax, chances)
     fig.suptitle(f"{spec.title} [{dataset_tag(spec, dataset)}]", fontsize=11)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)

@@ -52,7 +52,7 @@ from fedper.batches import PURPOSE_FINETUNE, PURPOSE_TRAIN, client_seed
 from fedper.emulate.batched import train_clients_batched
 from fedper.emulate.data import FleetData
 from fedper.emulate.distributed import as_float64, combine, gather
-from fedper.emulate.train import client_generator, train_client
+from fedper.emulate.train import OnStep, client_generator, epoch_steps, train_client
 from fedper.emulate.variants import build
 from fedper.manifest import Manifest
 from fedper.models import describe, exported_state
@@ -270,14 +270,26 @@ class Fleet:
         return sorted(int(j) for j in select(map(str, everyone), self.config.clients_per_round, seed=seed,
                                              round_=round_))
 
-    def run_round(self, state: FleetState) -> tuple[FleetState, dict]:
+    def round_steps(self, state: FleetState) -> int:
+        """The client-batches this process trains in the round after `state` (its members' local training,
+        and their fine-tuning at evaluation when the round has it): the unit of run_round's `on_step`."""
+        c, n_train = self.config, self.data.n_train
+        chosen = set(self.selected(state.round + 1, state.seed))
+        epochs = sum(phase.epochs or c.local_epochs for phase in self.algorithm.phases)
+        steps = sum(epochs * epoch_steps(n_train[j], c.batch_size) for j in self.members if j in chosen)
+        if self.finetunes_at_eval and (state.round + 1) % c.eval_finetune_interval == 0:
+            steps += sum(c.eval_finetune_epochs * epoch_steps(n_train[j], c.batch_size) for j in self.members)
+        return steps
+
+    def run_round(self, state: FleetState, on_step: OnStep | None = None) -> tuple[FleetState, dict]:
+        """One round; `on_step` hears of every training step, in the units of round_steps."""
         start = time.perf_counter()
         aggregate = self._dp_rule(state) if state.privacy is not None else WeightedMean()
         local = list(state.local)
         selected = self.selected(state.round + 1, state.seed)
         chosen = set(selected)
         trainees = [j for j in self.members if j in chosen]
-        for j, (shared, own) in zip(trainees, self._train(state, trainees), strict=True):
+        for j, (shared, own) in zip(trainees, self._train(state, trainees, on_step), strict=True):
             aggregate.add(self._update(shared, state), self.data.n_train[j])
             local[j] = own
         privacy, figures = state.privacy, None
@@ -287,7 +299,7 @@ class Fleet:
             shared = combine(aggregate, state.shared)
         new = FleetState(round=state.round + 1, shared=shared, local=local, seed=state.seed, privacy=privacy)
         finetune = self.finetunes_at_eval and new.round % self.config.eval_finetune_interval == 0
-        evaluated = {j: self._evaluate(new, j, finetune) for j in self.members}
+        evaluated = {j: self._evaluate(new, j, finetune, on_step) for j in self.members}
         results = gather({j: after for j, (_, after) in evaluated.items()})
         accuracy = [a for a, _ in results]
         fine_tuning = {}
@@ -369,7 +381,8 @@ class Fleet:
         return {"local_epochs": c.local_epochs, "batch_size": c.batch_size, "lr": c.lr_at(round_),
                 "momentum": c.momentum}
 
-    def _train(self, state: FleetState, members: list[int]) -> Iterator[tuple[Tensors, Tensors]]:
+    def _train(self, state: FleetState, members: list[int],
+               on_step: OnStep | None = None) -> Iterator[tuple[Tensors, Tensors]]:
         """Each of `members`' (shared, local) tensors after its local training, in their order."""
         d, phases, seed = self.data, self.algorithm.phases, state.seed
         if self.engine == "sequential":
@@ -377,7 +390,7 @@ class Fleet:
                 load_tensors(self.model, state.shared, state.local[j])
                 train_client(self.model, self.manifest, phases, d.x, d.y, d.clients[j][0],
                              generator=client_generator(seed, state.round, j, PURPOSE_TRAIN),
-                             channels_last=self.channels_last, **self._train_kwargs(state.round + 1))
+                             channels_last=self.channels_last, on_step=on_step, **self._train_kwargs(state.round + 1))
                 trained = exported_state(self.model)
                 yield ({n: trained[n].detach().clone() for n in self.shared_names},
                        {n: trained[n].detach().clone() for n in self.local_names})
@@ -386,7 +399,7 @@ class Fleet:
         stacked |= {n: torch.stack([state.local[j][n] for j in members]) for n in self.local_names}
         generators = [client_generator(seed, state.round, j, PURPOSE_TRAIN) for j in members]
         train_clients_batched(self.model, self.manifest, phases, d.x, d.y, [d.clients[j][0] for j in members],
-                              stacked, generators=generators, **self._train_kwargs(state.round + 1))
+                              stacked, generators=generators, on_step=on_step, **self._train_kwargs(state.round + 1))
         for row in range(len(members)):
             yield ({n: stacked[n][row] for n in self.shared_names},
                    {n: stacked[n][row].clone() for n in self.local_names})
@@ -398,7 +411,8 @@ class Fleet:
         c = self.config
         return (self.algorithm.fine_tune_head_at_eval or c.eval_finetune_every_algorithm) and c.eval_finetune_epochs > 0
 
-    def _evaluate(self, state: FleetState, j: int, finetune: bool) -> tuple[tuple[float, float], tuple[float, float]]:
+    def _evaluate(self, state: FleetState, j: int, finetune: bool,
+                  on_step: OnStep | None = None) -> tuple[tuple[float, float], tuple[float, float]]:
         """Client j's (accuracy, loss) before and after fine-tuning a copy (`finetune`: the same pair twice
         without it) at the lr the next round trains with (FedBABU's scripts fine-tune after the round's lr
         decay); the state keeps the untuned tensors."""
@@ -411,7 +425,7 @@ class Fleet:
         phase = Phase(self.config.eval_finetune, self.config.eval_finetune_epochs)
         train_client(self.model, self.manifest, (phase,), self.data.x, self.data.y, train_idx,
                      generator=client_generator(state.seed, state.round, j, PURPOSE_FINETUNE),
-                     channels_last=self.channels_last, **self._train_kwargs(state.round + 1))
+                     channels_last=self.channels_last, on_step=on_step, **self._train_kwargs(state.round + 1))
         return initial, evaluate(self.model, self.data.x, self.data.y, test_idx, batch_statistics=batch_statistics)
 
 

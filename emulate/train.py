@@ -10,7 +10,7 @@ the very same batches.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -21,6 +21,7 @@ from fedper.manifest import Manifest
 from fedper.training import ort_batchnorm, phase_optimizer, sgd_step
 
 BatchKey = tuple[int, int, int]  # (client_seed, round, first phase index)
+OnStep = Callable[[int], None]  # told after each training step how many client-batches it took (progress)
 
 
 def client_generator(seed: int, round_: int, client: int, purpose: int) -> BatchKey:
@@ -28,6 +29,11 @@ def client_generator(seed: int, round_: int, client: int, purpose: int) -> Batch
     1, as the coordinator numbers them, so the emulator's round k draws what an agent started with
     --seed client_seed(seed, client) draws in round k."""
     return client_seed(seed, client), round_ + 1, purpose
+
+
+def epoch_steps(n: int, batch_size: int) -> int:
+    """The number of batches an epoch of `n` samples is cut into (the kernel's rule, whatever the order)."""
+    return len(epoch_batches(n, batch_size, (0,)))
 
 
 def phase_batches(n: int, batch_size: int, key: BatchKey, phase_index: int, epoch: int) -> list[torch.Tensor]:
@@ -50,6 +56,7 @@ def train_client(
     momentum: float,
     generator: BatchKey,
     channels_last: bool = True,
+    on_step: OnStep | None = None,
 ) -> None:
     """Run the algorithm's phases on one client's training samples, in place on `model`;
     `generator` is the client's batch key (client_generator). `channels_last`: each float32 batch is
@@ -58,7 +65,7 @@ def train_client(
     and its gradient, then follows that order, while the model's tensors keep theirs. Same
     arithmetic, other summation order: a step agrees with the NCHW step to float32 rounding, not bit
     for bit (docs/performance.md). Other dtypes (float64 in tests) have no oneDNN kernels to gain
-    from it and keep NCHW."""
+    from it and keep NCHW. `on_step` hears of every step (1 client-batch each)."""
     fast = channels_last and x.dtype == torch.float32
     layout = torch.channels_last if fast else torch.contiguous_format
     with ort_batchnorm(model):
@@ -68,4 +75,6 @@ def train_client(
                 for batch in phase_batches(len(train_idx), batch_size, generator, phase_index, epoch):
                     idx = train_idx[batch.to(train_idx.device)]
                     sgd_step(model, optimizer, x[idx].contiguous(memory_format=layout), y[idx])
+                    if on_step is not None:
+                        on_step(1)
     model.requires_grad_(True)

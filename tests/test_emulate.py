@@ -231,8 +231,8 @@ def test_figure_a3_runs_on_cifar100_and_names_a_substitute():
     a3 = specs["a3"]
     assert a3.dataset == "cifar100"
     assert {c.fleet.algorithm for c in a3.curves} == {"fedper", "fedper-ft"}
-    assert dataset_tag(a3, "cifar100") == "cifar100" and dataset_tag(a3, "flickr-aes") == "flickr-aes"
-    assert dataset_tag(a3, "cifar10") == "cifar10, a substitute for cifar100"
+    assert dataset_tag(a3, "CIFAR-100") == "CIFAR-100" and dataset_tag(a3, "FLICKR-AES") == "FLICKR-AES"
+    assert dataset_tag(a3, "CIFAR-10") == "CIFAR-10, a substitute for CIFAR-100"
 
 
 def test_figure_a3_without_data_names_cifar100(tmp_path):

@@ -16,7 +16,7 @@ from fedper.emulate.figures import PRESETS, make_figure, with_preset
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "reproducing.md"
 UNSET = {"scale": None, "rounds": None, "model": None, "width": None, "local_epochs": None, "batch_size": None,
-         "lr": None, "momentum": None, "clients": None}
+         "lr": None, "momentum": None, "clients": None, "dataset": None}
 
 
 def documented_smoke_flags() -> dict[str, object]:
@@ -46,6 +46,24 @@ def test_smoke_preset_fills_only_what_the_command_left_unset():
     assert with_preset(None, UNSET) == UNSET
 
 
+def test_digits_preset_is_the_smoke_training_on_digits():
+    resolved = with_preset("digits", UNSET)
+    assert resolved["dataset"] == "digits" and resolved["scale"] is None
+    assert {k: resolved[k] for k in ("width", "local_epochs", "batch_size", "lr", "momentum", "model")} == \
+        {k: PRESETS["smoke"][k] for k in ("width", "local_epochs", "batch_size", "lr", "momentum", "model")}
+
+
+def test_a_setting_that_leaves_a_client_without_samples_stops_before_any_curve_trains(tmp_path):
+    """5 % of digits is 90 images: at k = 8 some of 10 clients get no test image. The command says so at once,
+    naming the curve and the options to change, instead of after the k = 4 curves have trained."""
+    result = CliRunner().invoke(app, ["figure", "fig2", "--scale", "0.05", "--dataset", "digits", "--out",
+                                      str(tmp_path)])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "curve mobilenet_v1, k=8" in result.output and "--scale" in result.output
+    assert "--classes-per-client" in result.output
+    assert not (tmp_path / "fig2").exists()
+
+
 def test_unknown_preset_is_refused_in_one_line(tmp_path):
     result = CliRunner().invoke(app, ["figure", "fig2", "--preset", "fast", "--out", str(tmp_path)])
     assert result.exit_code == 2 and "unknown preset 'fast'" in result.output and "smoke" in result.output
@@ -63,20 +81,28 @@ def _metrics_without_wall_time(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in row.items() if k != "wall_s"} for row in rows]
 
 
-def test_jobs_runs_the_curves_in_processes_with_the_same_results(tmp_path):
+def test_jobs_runs_the_curves_in_processes_with_the_same_results(tmp_path, capfd):
     """--jobs 2 trains fig3's two curves in two single-threaded processes: each run's metrics equal those of
-    the same run done in this process, single-threaded."""
-    common = {"dataset": "digits", "scale": 0.2, "rounds": 5, "models": ("mobilenet_v1",), "show_progress": False,
+    the same run done in this process, single-threaded; without a terminal each curve's progress comes back
+    from its process as a line a round, named by its curve."""
+    common = {"dataset": "digits", "scale": 0.2, "rounds": 5, "models": ("mobilenet_v1",),
               "fleet_overrides": {"width": 0.25, "local_epochs": 1, "batch_size": 32},
               "data_overrides": {"clients": 3, "input_size": 16}}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        make_figure("fig3", out=tmp_path / "one", jobs=1, **common)
-        png = make_figure("fig3", out=tmp_path / "two", jobs=2, **common)
+        make_figure("fig3", out=tmp_path / "one", jobs=1, show_progress=False, **common)
+        capfd.readouterr()
+        png = make_figure("fig3", out=tmp_path / "two", jobs=2, show_progress=True, **common)
     finally:
         torch.set_num_threads(threads)
     assert png.exists()
+    lines = capfd.readouterr().err.splitlines()
+    assert "2 runs, 2 at a time" in lines
+    for curve in ("mobilenet_v1: fedavg", "mobilenet_v1: fedper"):
+        assert f"{curve}: started, 1 round" in lines, lines  # 5 rounds x --scale 0.2
+        assert any(line.startswith(f"{curve}: round 1/1, mean acc ") for line in lines), lines
+        assert f"{curve}: done" in lines
     runs = sorted(p.name for p in (tmp_path / "one" / "fig3").iterdir())
     assert len(runs) == 2
     for run in runs:

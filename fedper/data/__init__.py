@@ -1,8 +1,9 @@
 """Data for FedPer: loaders to uint8 NHWC arrays, and seeded per-device partitions."""
 
-from fedper.data.errors import DataError
+from fedper.data.errors import DataError, UnreadableImage
 from fedper.data.partition import (
     assign_test_by_classes,
+    chance_accuracy,
     split_dirichlet,
     split_k_classes,
     split_shards,
@@ -11,11 +12,14 @@ from fedper.data.partition import (
 from fedper.data.sources import (
     ArrayDataset,
     DataSplits,
+    dataset_name,
     load_cifar,
     load_digits,
     load_flickr_aes,
     load_image_folder,
+    load_images,
     load_npz,
+    skipping_unreadable_images,
     to_float_nchw,
 )
 
@@ -23,12 +27,17 @@ __all__ = [
     "ArrayDataset",
     "DataError",
     "DataSplits",
+    "UnreadableImage",
     "assign_test_by_classes",
+    "chance_accuracy",
+    "dataset_name",
     "load_cifar",
     "load_digits",
     "load_flickr_aes",
     "load_image_folder",
+    "load_images",
     "load_npz",
+    "skipping_unreadable_images",
     "split_dirichlet",
     "split_k_classes",
     "split_shards",

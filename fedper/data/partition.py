@@ -169,7 +169,7 @@ def split_dirichlet(
             return [_concat(p) for p in parts]
     raise DataError(
         f"no Dirichlet(alpha={alpha}) draw in {DIRICHLET_TRIES} gave every one of {n_clients} devices "
-        f">= {min_size} of {len(y)} samples; use fewer devices, a larger alpha or a smaller min_size"
+        f">= {min_size} of {len(y)} samples; use fewer devices or a larger alpha"
     )
 
 
@@ -237,8 +237,20 @@ def assign_test_by_classes(
         if len(members) < len(devices):
             raise DataError(
                 f"class {c} has {len(members)} test samples but {len(devices)} devices train on it, so some "
-                f"would test without it; use fewer devices or split_train_test instead"
+                f"would test without it; use fewer devices, fewer classes a device or more test samples"
             )
         for dev, chunk in zip(rng.permutation(devices), np.array_split(members, len(devices)), strict=True):
             parts[dev].append(chunk)
     return [_concat(p) for p in parts]
+
+
+def chance_accuracy(test_labels: Sequence[np.ndarray | Sequence[int]], n_classes: int, personal: bool) -> float:
+    """The mean accuracy over clients of a guess from the label prior alone, the line a curve must rise above
+    to have learned anything from the images. A personal model (a head of its own) can always answer its
+    client's most frequent test class; one model for every client (FedAvg), the one class whose mean share
+    over the clients is largest. Clients without test samples are left out."""
+    shares = np.array([np.bincount(y, minlength=n_classes) / len(y)
+                       for y in (_as_labels(t, "test labels") for t in test_labels) if len(y)])
+    if not len(shares):
+        raise DataError("no client has test samples")
+    return float(shares.max(axis=1).mean() if personal else shares.mean(axis=0).max())

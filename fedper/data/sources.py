@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import csv
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -13,7 +15,7 @@ from typing import Literal
 import numpy as np
 from PIL import Image
 
-from fedper.data.errors import DataError
+from fedper.data.errors import DataError, UnreadableImage
 from fedper.data.partition import split_train_test
 
 # Files with other suffixes in a class folder (README, .DS_Store, ...) are ignored, not errors.
@@ -23,6 +25,16 @@ IMAGE_EXTENSIONS = frozenset(
 FLICKR_CSV = "FLICKR-AES_image_labeled_by_each_worker.csv"
 FLICKR_IMAGES = "40K"
 FLICKR_CLASSES = ["1", "2", "3", "4", "5"]
+CIFAR_FOLDERS = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}  # torchvision's base_folder
+CIFAR_CLASS_COUNTS = {"cifar10": 10, "cifar100": 100}
+# CIFAR-10's labels in order (torchvision's batches.meta), which is also their sorted order, so an image-folder
+# copy of CIFAR-10 has the same label ids; a data set with exactly these classes is named CIFAR-10.
+CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+DATASET_NAMES = {"digits": "digits (scikit-learn)", "cifar10": "CIFAR-10", "cifar100": "CIFAR-100",
+                 "flickr-aes": "FLICKR-AES"}
+
+# While set (skipping_unreadable_images), image files that cannot be decoded are left out and listed here.
+_skipped_images: ContextVar[list[Path] | None] = ContextVar("skipped_images", default=None)
 
 
 @dataclass
@@ -89,14 +101,14 @@ def load_cifar(
     root: str | Path, name: Literal["cifar10", "cifar100"] = "cifar10", download: bool = False
 ) -> DataSplits:
     """CIFAR-10/100 through torchvision: its download when online, or an existing root."""
-    folders = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}  # torchvision's base_folder
+    folders = CIFAR_FOLDERS
     if name not in folders:
         raise DataError(f"unknown CIFAR variant {name!r}; expected one of {sorted(folders)}")
     root = Path(root)
     if not download and not (root / folders[name]).is_dir():  # say so before the slow torchvision import
         raise DataError(
-            f"{name} not found under {root} (looked for {root / folders[name]}); pass --download "
-            f"(download=True) to fetch it, or give the folder that holds {folders[name]}/"
+            f"{name} not found under {root} (looked for {root / folders[name]}); --data takes the folder "
+            f"that holds {folders[name]}/ (torchvision's CIFAR download writes one), an .npz or an image folder"
         )
     from torchvision import datasets  # heavy; only this loader needs it
 
@@ -175,13 +187,26 @@ def load_npz(path: str | Path) -> DataSplits:
     return DataSplits(datasets[0], datasets[1] if len(datasets) == 2 else None)
 
 
+@contextmanager
+def skipping_unreadable_images() -> Iterator[list[Path]]:
+    """Within it, image folders leave out the files that cannot be decoded, instead of stopping at the first
+    one; yields the list of the files left out, so the caller can count and name them. One corrupt image
+    among hundreds on a device then costs that image, not the device's participation."""
+    skipped: list[Path] = []
+    token = _skipped_images.set(skipped)
+    try:
+        yield skipped
+    finally:
+        _skipped_images.reset(token)
+
+
 def _read_image(path: Path, image_size: int | None) -> np.ndarray:
-    """One image as uint8 HxWx3; any decoding failure becomes a DataError naming the file."""
+    """One image as uint8 HxWx3; any decoding failure becomes an UnreadableImage naming the file."""
     try:
         with Image.open(path) as im:
             rgb = im.convert("RGB")  # convert() forces a full decode, so truncated files fail here
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise DataError(f"cannot read image {path}: {e}") from e
+        raise UnreadableImage(f"cannot read image {path}: {e}") from e
     if image_size is not None:
         rgb = rgb.resize((image_size, image_size), Image.Resampling.BILINEAR)
     return np.asarray(rgb, dtype=np.uint8)
@@ -219,10 +244,25 @@ def _read_tree(
         )
         if not found:
             raise DataError(f"class folder {folder / name} holds no images ({', '.join(sorted(IMAGE_EXTENSIONS))})")
-        images += [_read_image(p, image_size) for p in found]
-        files += found
-        labels += [classes.index(name)] * len(found)
+        read = [(p, image) for p in found if (image := _read_or_skip(p, image_size)) is not None]
+        if not read:
+            raise DataError(f"class folder {folder / name}: none of its {len(found)} images can be read")
+        images += [image for _, image in read]
+        files += [p for p, _ in read]
+        labels += [classes.index(name)] * len(read)
     return images, files, labels
+
+
+def _read_or_skip(path: Path, image_size: int | None) -> np.ndarray | None:
+    """_read_image, or None for an unreadable file while skipping_unreadable_images() is on (it is recorded)."""
+    skipped = _skipped_images.get()
+    try:
+        return _read_image(path, image_size)
+    except UnreadableImage:
+        if skipped is None:
+            raise
+        skipped.append(path)
+        return None
 
 
 def load_image_folder(root: str | Path, image_size: int | None = None) -> DataSplits:
@@ -231,6 +271,9 @@ def load_image_folder(root: str | Path, image_size: int | None = None) -> DataSp
     Classes are the training class folders sorted by name. Without image_size all images must share
     one size; with it, each is resized (bilinear) to image_size x image_size."""
     root = Path(root)
+    if root.is_file():
+        raise DataError(f"{root} is a file, not an image folder (<class>/* or train/<class>/*); "
+                        f"an .npz of arrays is read by its .npz suffix")
     if not root.is_dir():
         raise DataError(f"image folder not found: {root}")
     if image_size is not None and image_size < 1:
@@ -246,6 +289,43 @@ def load_image_folder(root: str | Path, image_size: int | None = None) -> DataSp
         datasets.append(ArrayDataset(x_all[start : start + len(images)], np.asarray(labels, np.int64), classes))
         start += len(images)
     return DataSplits(datasets[0], datasets[1] if len(datasets) == 2 else None)
+
+
+def load_images(path: str | Path, *, cifar: str | None = None, image_size: int | None = None,
+                option: str = "--data") -> DataSplits:
+    """The images at `path`, read by what the path is: an .npz file, an image folder, or (when `cifar` names
+    cifar10 or cifar100) torchvision's CIFAR files under a root or in their own folder. Errors name
+    `option`, the command's option that gave the path."""
+    path = Path(path).expanduser()
+    accepted = "an .npz, an image folder (<class>/* or train/<class>/*)"
+    if cifar is not None:
+        accepted += f" or a {cifar} root (the folder that holds {CIFAR_FOLDERS[cifar]}/)"
+    if not path.exists():
+        raise DataError(f"{option} {path} does not exist; give {accepted}")
+    if path.is_file():
+        if path.suffix.lower() != ".npz":
+            raise DataError(f"{option} {path} is a file but not an .npz; give {accepted}")
+        splits = load_npz(path)
+    elif cifar is not None and (path.name == CIFAR_FOLDERS[cifar] or (path / CIFAR_FOLDERS[cifar]).is_dir()):
+        splits = load_cifar(path.parent if path.name == CIFAR_FOLDERS[cifar] else path, cifar)  # type: ignore[arg-type]
+    elif not any(p.is_dir() and not p.name.startswith(".") for p in path.iterdir()):
+        raise DataError(f"{option} {path} holds no folders; give {accepted}")
+    else:
+        splits = load_image_folder(path, image_size)
+    if cifar is not None and len(splits.train.classes) != CIFAR_CLASS_COUNTS[cifar]:
+        raise DataError(f"{option} {path} holds {len(splits.train.classes)} classes, not {cifar}'s "
+                        f"{CIFAR_CLASS_COUNTS[cifar]}; other data sets are read with --dataset npz or imagefolder")
+    return splits
+
+
+def dataset_name(dataset: str, classes: Sequence[str], data: str | Path | None = None) -> str:
+    """What a data set is, for titles: CIFAR-10 whatever file it came in (an .npz or an image folder with
+    CIFAR-10's classes is CIFAR-10), else the name of the source or of the file it came from."""
+    if tuple(classes) == CIFAR10_CLASSES:
+        return DATASET_NAMES["cifar10"]
+    if dataset in DATASET_NAMES:
+        return DATASET_NAMES[dataset]
+    return Path(data).name if data else dataset
 
 
 def load_digits(image_size: int = 32) -> DataSplits:
