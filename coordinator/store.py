@@ -92,12 +92,13 @@ class CoordinatorState:
     strategy: dict[str, Any]  # the strategy's own part (coordinator/strategies/base.py)
     inline_registry: dict[str, Any] | None = None  # a version-0 file's registrations, to be moved into a file
     version: int = STATE_VERSION
+    fleet: str | None = None  # the fleet it serves (None: written before it was recorded)
 
     def write(self, store: Store) -> None:
         """Commit: state.json names exactly the files that stay."""
         store.commit({"version": self.version, "base_digest": self.base_digest, "model": self.model,
                       "round": self.round.to_json(), "counters": dict(self.counters), "finished": self.finished,
-                      "registry": self.registry, "strategy": self.strategy})
+                      "registry": self.registry, "strategy": self.strategy, "fleet": self.fleet})
 
     @classmethod
     def read(cls, store: Store) -> CoordinatorState | None:
@@ -114,7 +115,7 @@ class CoordinatorState:
                                          "updates": body.get("updates", {})}}
         return cls(body.get("base_digest", ""), body["model"], RoundRecord.from_json(body["round"]),
                    dict(body["counters"]), body["finished"], body.get("registry"), body["strategy"],
-                   inline_registry=body["registered"] if version == 0 else None)
+                   inline_registry=body["registered"] if version == 0 else None, fleet=body.get("fleet"))
 
 
 class CheckpointError(RuntimeError):

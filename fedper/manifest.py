@@ -152,7 +152,10 @@ class Manifest:
         path = Path(directory) / MANIFEST_FILE
         try:
             body = json.loads(path.read_text())
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
+            if not Path(directory).is_dir():
+                raise ManifestError(f"{directory} {'is not a folder' if Path(directory).exists() else 'does not exist'}"
+                                    f": give the export directory (it holds {MANIFEST_FILE})") from None
             raise ManifestError(f"no {MANIFEST_FILE} in {directory}: is it an export directory?") from None
         except json.JSONDecodeError as e:
             raise ManifestError(f"{path} is not valid JSON: {e}") from None
