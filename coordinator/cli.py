@@ -148,11 +148,11 @@ def _build(service: Service, options: dict[str, Any]) -> tuple[Coordinator, Brok
         if service.mqtt_version not in PROTOCOLS:
             raise ValueError(f"--mqtt-version {service.mqtt_version!r}: choose one of {', '.join(PROTOCOLS)}")
         config = Config.of(**options)
+        url = (BrokerUrl("127.0.0.1", service.port, False) if service.embedded_broker
+               else parse_broker_url(service.broker))
         manifest = Manifest.load(service.artifacts)
         _check_export(service.artifacts)
         initial = decode_shared(manifest, (service.artifacts / BASE_FILE).read_bytes())
-        url = (BrokerUrl("127.0.0.1", service.port, False) if service.embedded_broker
-               else parse_broker_url(service.broker))
         return Coordinator(manifest, initial, Topics(service.fleet), config, Store(service.state_dir)), url
     except (ValueError, KeyError, OSError, ManifestError, WireError, CheckpointError) as e:
         typer.echo(f"fedper-coordinator: {e}", err=True)
