@@ -153,10 +153,10 @@ class Manifest:
         try:
             body = json.loads(path.read_text())
         except (FileNotFoundError, NotADirectoryError):
-            if not Path(directory).is_dir():
-                raise ManifestError(f"{directory} {'is not a folder' if Path(directory).exists() else 'does not exist'}"
-                                    f": give the export directory (it holds {MANIFEST_FILE})") from None
-            raise ManifestError(f"no {MANIFEST_FILE} in {directory}: is it an export directory?") from None
+            where = Path(directory)
+            why = "is it an export directory?" if where.is_dir() else \
+                f"{where} {'is a file' if where.exists() else 'does not exist'}"
+            raise ManifestError(f"no {MANIFEST_FILE} in {directory}: {why}") from None
         except json.JSONDecodeError as e:
             raise ManifestError(f"{path} is not valid JSON: {e}") from None
         return cls.from_dict(body)
