@@ -1,7 +1,8 @@
 """The zero-setup broker: amqtt (pure Python, MQTT 3.1.1) in a thread with its own asyncio loop.
 
 amqtt's own log (a traceback when its port is taken, a client's dropped connection) is not shown: `start` says
-in one line why the broker cannot run, and a client's trouble is the client's to say.
+in one line why the broker cannot run, and a client's trouble is the client's to say. One thing in it is the
+fleet's business, and said: two connections with one client id (two agents started with one --client-id).
 """
 
 from __future__ import annotations
@@ -9,11 +10,40 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import re
 import threading
+import time
 from typing import Any
 
 log = logging.getLogger("fedper.coordinator")
-logging.getLogger("amqtt").setLevel(logging.CRITICAL)
+TAKEOVER = re.compile(r"Client (.+) is (already connected, performing take-over|reconnecting too quickly)")
+TAKEOVER_SAID_EVERY_S = 60.0
+
+
+class _Takeovers(logging.Handler):
+    """Reads amqtt's log for a client id that a second connection uses, and says so (once a minute per id)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.said: dict[str, float] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        match = TAKEOVER.match(record.getMessage())
+        if match is None:
+            return
+        client, now = match.group(1), time.monotonic()
+        if now - self.said.get(client, -TAKEOVER_SAID_EVERY_S) < TAKEOVER_SAID_EVERY_S:
+            return
+        self.said[client] = now
+        log.warning("the embedded broker: a second connection uses the client id %s: are two agents running with "
+                    "--client-id %s (or two coordinators of one fleet)? They take the connection from each other, "
+                    "or one waits; give each device its own id", client, client)
+
+
+_amqtt = logging.getLogger("amqtt")
+_amqtt.setLevel(logging.WARNING)
+_amqtt.propagate = False  # the rest of its log is not shown
+_amqtt.addHandler(_Takeovers())
 
 
 class EmbeddedBroker:

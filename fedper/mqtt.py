@@ -393,7 +393,9 @@ class Session:
             self._use_mqtt311(f"no answer to its CONNECT in {CONNACK_WAIT_S:g} s")
         else:
             self._report(f"connected, but no answer to the MQTT CONNECT in {CONNACK_WAIT_S:g} s: is this an MQTT "
-                         "broker's port (mqtts:// for a TLS one)?", "still waiting")
+                         "broker's port (mqtts:// for a TLS one)? The embedded broker is silent too while another "
+                         f"connection holds the client id {self.client.settings['client_id']!r} (two agents with one "
+                         "--client-id?)", "still waiting")
 
     def _use_mqtt311(self, why: str) -> None:
         """Drop the MQTT 5 client for an MQTT 3.1.1 one with the same settings (before any connect succeeded)."""
