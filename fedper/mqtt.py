@@ -325,7 +325,8 @@ class Session:
         self._established = False  # a connection that worked is gone: come back within the spread window
         self._down_since = time.monotonic()
         delay = self._backoff.after_loss()
-        self._log(f"lost the broker ({reason}): reconnecting in {delay:.1f} s")
+        why = "the connection closed" if str(reason) == "Unspecified error" else reason  # paho's word for a lost socket
+        self._log(f"lost the broker ({why}): reconnecting in {delay:.1f} s")
         self._wait_before_next(delay)
         lived = self._down_since - self._connected_at
         self._short_lived = self._short_lived + 1 if lived < SHORT_LIVED_S else 0
