@@ -275,7 +275,7 @@ class Session:
         self._admit = admit
         self._down_since = time.monotonic()  # trying to connect since: the start, or the last loss
         self._last_report = -float("inf")
-        self._connected_at = 0.0
+        self._connected_at = 0.0  # time.monotonic() of the last CONNACK; 0: none yet
         self._short_lived = 0  # connections in a row that the broker dropped within SHORT_LIVED_S
         self._attach(client)
 
@@ -301,7 +301,7 @@ class Session:
     def _on_connect(self, client: mqtt.Client, userdata: object, flags: object, reason: object, props: object) -> None:
         if getattr(reason, "is_failure", False):
             self._closing = True  # `receive` acts on it: paho's disconnect that follows is no news
-            unsupported = getattr(reason, "value", None) == UNSUPPORTED_PROTOCOL and client.protocol == mqtt.MQTTv5
+            unsupported = getattr(reason, "value", None) == UNSUPPORTED_PROTOCOL and self._may_fall_back()
             self._inbox.put(_Unsupported() if unsupported else _Refused(str(reason)))
             return
         self._backoff.connected()
@@ -385,18 +385,22 @@ class Session:
         return event
 
     def _watch(self) -> None:
-        """Connected, and no CONNACK CONNACK_WAIT_S later: MQTT 5 switches to 3.1.1, 3.1.1 says so."""
+        """Connected, and no CONNACK CONNACK_WAIT_S later: MQTT 5 that never got through goes 3.1.1, else said."""
         client = self.client
         if self._established or self._closing or client.socket() is None \
                 or time.monotonic() - client.attempt_at < CONNACK_WAIT_S:
             return
-        if client.protocol == mqtt.MQTTv5:
+        if self._may_fall_back():
             self._use_mqtt311(f"no answer to its CONNECT in {CONNACK_WAIT_S:g} s")
         else:
             self._report(f"connected, but no answer to the MQTT CONNECT in {CONNACK_WAIT_S:g} s: is this an MQTT "
                          "broker's port (mqtts:// for a TLS one)? The embedded broker is silent too while another "
                          f"connection holds the client id {self.client.settings['client_id']!r} (two agents with one "
                          "--client-id?)", "still waiting")
+
+    def _may_fall_back(self) -> bool:
+        """MQTT 5 that never got through: a broker that once took MQTT 5 speaks it (a slow CONNACK is said)."""
+        return self.client.protocol == mqtt.MQTTv5 and not self._connected_at
 
     def _use_mqtt311(self, why: str) -> None:
         """Drop the MQTT 5 client for an MQTT 3.1.1 one with the same settings (before any connect succeeded)."""
