@@ -49,6 +49,9 @@ from typing import Any
 import numpy as np
 from common import main, table, write_json
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from helpers.toy_export import write_toy_export  # the tests' export of a hand-made manifest
+
 from fedper.manifest import Manifest, ModelInfo, TensorSpec
 from fedper.payload import decode_shared, encode_shared
 from fedper.ports import free_port
@@ -420,9 +423,7 @@ def run_fleet(size: int, rounds: int, *, floats: int, workers: int, round_timeou
     _raise_fd_limit()
     manifest = manifest_of(floats)
     artifacts, state_dir = directory / "export", directory / "state"
-    artifacts.mkdir(parents=True)
-    manifest.save(artifacts)
-    (artifacts / "base.safetensors").write_bytes(encode_shared(manifest, filled(manifest, 0.0)))
+    write_toy_export(artifacts, manifest, filled(manifest, 0.0))  # the coordinator verifies its export at start
     port = free_port()
     broker = start_mosquitto(directory, port)
     context = mp.get_context("fork")

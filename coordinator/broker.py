@@ -1,14 +1,49 @@
-"""The zero-setup broker: amqtt (pure Python, MQTT 3.1.1) in a thread with its own asyncio loop."""
+"""The zero-setup broker: amqtt (pure Python, MQTT 3.1.1) in a thread with its own asyncio loop.
+
+amqtt's own log (a traceback when its port is taken, a client's dropped connection) is not shown: `start` says
+in one line why the broker cannot run, and a client's trouble is the client's to say. One thing in it is the
+fleet's business, and said: two connections with one client id (two agents started with one --client-id).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import re
 import threading
+import time
 from typing import Any
 
 log = logging.getLogger("fedper.coordinator")
-logging.getLogger("amqtt").setLevel(logging.ERROR)  # its shutdown chatter is not ours to show
+TAKEOVER = re.compile(r"Client (.+) is (already connected, performing take-over|reconnecting too quickly)")
+TAKEOVER_SAID_EVERY_S = 60.0
+
+
+class _Takeovers(logging.Handler):
+    """Reads amqtt's log for a client id that a second connection uses, and says so (once a minute per id)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.said: dict[str, float] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        match = TAKEOVER.match(record.getMessage())
+        if match is None:
+            return
+        client, now = match.group(1), time.monotonic()
+        if now - self.said.get(client, -TAKEOVER_SAID_EVERY_S) < TAKEOVER_SAID_EVERY_S:
+            return
+        self.said[client] = now
+        log.warning("the embedded broker: a second connection uses the client id %s: are two agents running with "
+                    "--client-id %s (or two coordinators of one fleet)? They take the connection from each other, "
+                    "or one waits; give each device its own id", client, client)
+
+
+_amqtt = logging.getLogger("amqtt")
+_amqtt.setLevel(logging.WARNING)
+_amqtt.propagate = False  # the rest of its log is not shown
+_amqtt.addHandler(_Takeovers())
 
 
 class EmbeddedBroker:
@@ -31,7 +66,7 @@ class EmbeddedBroker:
         if not self._ready.wait(timeout):
             raise RuntimeError(f"the embedded broker did not start on {self.host}:{self.port} in {timeout} s")
         if self._error is not None:
-            raise RuntimeError(f"the embedded broker failed on {self.host}:{self.port}: {self._error}")
+            raise RuntimeError(_start_problem(self._error, self.host, self.port))
         log.info("embedded amqtt broker listening on %s:%d", self.host, self.port)
         if self.ws_port is not None:
             log.info("embedded amqtt broker's WebSocket listener on %s:%d", self.ws_host, self.ws_port)
@@ -42,6 +77,8 @@ class EmbeddedBroker:
 
         self._loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self._loop)
+        self._loop.set_exception_handler(lambda loop, context: log.debug(
+            "embedded broker: %s", context.get("message"), exc_info=context.get("exception")))
         listeners = {"default": {"type": "tcp", "bind": f"{self.host}:{self.port}"}}
         if self.ws_port is not None:
             listeners["ws"] = {"type": "ws", "bind": f"{self.ws_host}:{self.ws_port}"}
@@ -50,7 +87,7 @@ class EmbeddedBroker:
             "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}},
         }
         try:
-            self._broker = Broker(config, loop=self._loop)
+            self._broker = _own_retained(Broker)(config, loop=self._loop)
             self._loop.run_until_complete(self._broker.start())
         except BaseException as e:  # reported to start()'s caller
             self._error = e
@@ -72,3 +109,30 @@ class EmbeddedBroker:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _start_problem(error: BaseException, host: str, port: int) -> str:
+    """One line on why the broker did not start: a port in use says which, and what to do."""
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, OSError) and cause.errno == errno.EADDRINUSE:
+        return (f"the embedded broker cannot listen on {host}:{port}: the port is in use (another broker, or a "
+                "coordinator already running?); choose another --port, or stop what listens there")
+    return f"the embedded broker did not start on {host}:{port}: {cause or error}"
+
+
+def _own_retained(broker: type) -> type:
+    """amqtt's `broker` (imported only when one runs), fixed: amqtt 0.12 sends a client that connects the retained
+    messages matching every client's subscriptions (meant for a resumed session's own), so a device got the other
+    devices' registrations, and the open round's RoundInfo and model twice, and sent its update twice. Here a
+    retained message goes only to a session subscribed to it."""
+
+    class OwnRetained(broker):  # type: ignore[misc, valid-type]
+        async def _publish_retained_messages_for_subscription(self, subscription: tuple[str, int],
+                                                              session: Any) -> None:
+            holders = self._subscriptions.get(subscription[0], ())
+            if any(holder.client_id == session.client_id for holder, _ in holders):
+                await super()._publish_retained_messages_for_subscription(subscription, session)
+
+    return OwnRetained

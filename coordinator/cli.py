@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
-from typer import _click as click
-from typer.core import TyperGroup
 
 from fedper.coordinator.config import GROUPS, Config, Group, option
 from fedper.coordinator.web import Web
+from fedper.onecommand import OneCommand
 
 if TYPE_CHECKING:
     from fedper.coordinator.engine import Coordinator
@@ -28,24 +27,8 @@ if TYPE_CHECKING:
     from fedper.mqtt import BrokerUrl
 
 
-
-class _Panels(TyperGroup):
-    """Plain help (option names whole at 80 columns), one section per group of options."""
-
-    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        panels: dict[str, list[tuple[str, str]]] = {}
-        for param in self.get_params(ctx):
-            record = param.get_help_record(ctx)
-            if record:
-                panels.setdefault(getattr(param, "rich_help_panel", None) or "Options", []).append(record)
-        for title, rows in panels.items():
-            with formatter.section(title):
-                formatter.write_dl(rows)
-        self.format_commands(ctx, formatter)
-
-
 app = typer.Typer(help="Run federated rounds over MQTT: register devices, aggregate base updates.",
-                  rich_markup_mode=None, no_args_is_help=True, cls=_Panels)
+                  rich_markup_mode=None, no_args_is_help=True, cls=OneCommand)
 
 
 @dataclass(frozen=True)
@@ -128,7 +111,8 @@ def run(service: Service, options: dict[str, Any], web: Web | None = None) -> No
     page = _page(web, service, ws_port) if web.port is not None else None  # its URL printed once all is up
     try:
         _serve(coordinator, url, mqtt_version, service.username, service.password,
-               str(service.tls_ca) if service.tls_ca else None, metrics)
+               str(service.tls_ca) if service.tls_ca else None, metrics,
+               linger_s=coordinator.config.rounds.round_timeout if embedded else 0.0)
     except CheckpointError as e:
         typer.echo(f"fedper-coordinator: {e}; stopped with the last checkpoint intact, rerun to resume", err=True)
         raise typer.Exit(1) from None
@@ -145,7 +129,7 @@ def run(service: Service, options: dict[str, Any], web: Web | None = None) -> No
             metrics.close()
         if page:
             page.close()
-    typer.echo(f"done: {coordinator.config.rounds.rounds} round(s); final model in {state_dir / 'final.safetensors'}")
+    typer.echo(f"done: {coordinator.round.number} round(s); final model in {state_dir / 'final.safetensors'}")
 
 
 def _build(service: Service, options: dict[str, Any]) -> tuple[Coordinator, BrokerUrl]:
@@ -164,17 +148,25 @@ def _build(service: Service, options: dict[str, Any]) -> tuple[Coordinator, Brok
         if service.mqtt_version not in PROTOCOLS:
             raise ValueError(f"--mqtt-version {service.mqtt_version!r}: choose one of {', '.join(PROTOCOLS)}")
         config = Config.of(**options)
-        manifest = Manifest.load(service.artifacts)
-        base_path = service.artifacts / BASE_FILE
-        if not base_path.exists():
-            raise ValueError(f"no {BASE_FILE} in {service.artifacts}: is it an export directory?")
-        initial = decode_shared(manifest, base_path.read_bytes())
         url = (BrokerUrl("127.0.0.1", service.port, False) if service.embedded_broker
                else parse_broker_url(service.broker))
+        manifest = Manifest.load(service.artifacts)
+        _check_export(service.artifacts)
+        initial = decode_shared(manifest, (service.artifacts / BASE_FILE).read_bytes())
         return Coordinator(manifest, initial, Topics(service.fleet), config, Store(service.state_dir)), url
     except (ValueError, KeyError, OSError, ManifestError, WireError, CheckpointError) as e:
         typer.echo(f"fedper-coordinator: {e}", err=True)
         raise typer.Exit(2) from None
+
+
+def _check_export(directory: Path) -> None:
+    """Serve only an export that matches its manifest (operations.md: a tampered or incomplete copy is refused)."""
+    from fedper.verify import verify
+
+    problems = verify(directory)
+    if problems:
+        more = f"; and {len(problems) - 3} more (fedper-export verify {directory})" if len(problems) > 3 else ""
+        raise ValueError(f"{directory} does not match its manifest: {'; '.join(problems[:3])}{more}")
 
 
 def _metrics(coordinator: Coordinator, host: str, port: int) -> CoordinatorMetrics:
@@ -211,7 +203,7 @@ def _page(web: Web, service: Service, ws_port: int | None) -> WebServer:
 
 
 def _serve(coordinator: Coordinator, url: BrokerUrl, protocol: str, username: str | None, password: str | None,
-           tls_ca: str | None, metrics: CoordinatorMetrics | None) -> None:
+           tls_ca: str | None, metrics: CoordinatorMetrics | None, linger_s: float) -> None:
     """The service with a rich progress bar: rounds done, and updates accepted in the open round."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -233,7 +225,7 @@ def _serve(coordinator: Coordinator, url: BrokerUrl, protocol: str, username: st
                             info=f"{len(c.registered)} registered, {len(c.online)} online, {rejected} rejected")
 
         run_service(coordinator, url, protocol=protocol, username=username, password=password, tls_ca=tls_ca,
-                    on_tick=show)
+                    on_tick=show, linger_s=linger_s)
 
 
 def main() -> None:

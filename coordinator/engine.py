@@ -60,6 +60,12 @@ log = logging.getLogger("fedper.coordinator")
 MAX_REJECTED_PER_DEVICE = 1_000  # refused blob ids remembered per device (its later chunks are dropped unanswered)
 MAX_REJECTED_DEVICES = 10_000
 DEFAULT_REASSEMBLY_BYTES = 1 << 30  # all devices' partial uploads together, unless 4 devices' quotas are more
+ONLINE_BURST, ONLINE_WINDOW_S = 4, 120.0  # a device saying `online` this often this quickly is said: two with one id?
+
+
+class _Resent(WireError):
+    """An update this coordinator already accepted, sent again (a device resends at every RoundInfo it sees
+    again: docs/protocol.md calls it harmless): refused and counted as before, but no warning."""
 
 
 class Coordinator:
@@ -113,6 +119,8 @@ class Coordinator:
         self._last_registry_commit = -1e18
         self._last_top_up = -1e18
         self._model_file = ""  # the open round's model file; "" until the first start writes it
+        self._last_closed: tuple[int, frozenset[str]] = (0, frozenset())  # its number and whose update it folded
+        self._onlines: dict[str, tuple[float, int]] = {}  # device -> (its window's first `online`, how many since)
         saved = CoordinatorState.read(store)
         if saved is not None:
             self._resume(saved)
@@ -155,6 +163,9 @@ class Coordinator:
         if saved.base_digest != self.digest:
             raise ValueError(f"{self.store.dir} holds the state of a run with another export (base_digest "
                              f"{saved.base_digest or None}): use a fresh --state-dir")
+        if saved.fleet is not None and saved.fleet != self.topics.fleet:
+            raise ValueError(f"{self.store.dir} holds the state of fleet {saved.fleet!r}, not {self.topics.fleet!r}: "
+                             f"resume it with --fleet {saved.fleet}, or use a fresh --state-dir")
         self.model = decode_shared(self.manifest, encode_shared(self.manifest, self.store.read_tensors(saved.model)))
         self._model_file = saved.model
         registry = saved.inline_registry if saved.inline_registry is not None else \
@@ -175,9 +186,22 @@ class Coordinator:
             self.round.selected, self.round.invited, self.round.invite_cap = False, set(), 0
             self.round.carried = {}
         self.strategy.resume(saved.strategy, self.round, self.model, self.finished)
-        log.info("resumed from %s: round %d of %d, %d update(s) already accepted, %d device(s) registered",
-                 self.store.dir, self.round.number, self.config.rounds.rounds, len(self.round.folded),
-                 len(self.registered))
+        rounds, number = self.config.rounds.rounds, self.round.number
+        if self.finished and rounds > number and not self.strategy.stopped:
+            self.finished, self.round = False, RoundRecord(number + 1)  # its model: the final one
+            self.strategy.open(self.round.number, self.model, finished=False)
+            self._commit()
+            log.info("resumed from %s, finished after round %d: --rounds %d runs rounds %d to %d", self.store.dir,
+                     number, rounds, number + 1, rounds)
+        elif self.finished:
+            log.info("resumed from %s: the run finished after round %d%s; nothing to do", self.store.dir, number,
+                     " (stopped by its privacy budget)" if self.strategy.stopped else
+                     f": --rounds {rounds + 1} or more would run more" if rounds == number else
+                     f", past --rounds {rounds}")
+        else:
+            log.info("resumed from %s: round %d of %d, %d update(s) already accepted, %d device(s) registered%s",
+                     self.store.dir, number, rounds, len(self.round.folded), len(self.registered),
+                     f"; --rounds {rounds} is below it: the run finishes with this round" if number > rounds else "")
 
     def announce(self, now: float) -> list[Outgoing]:
         """Everything a device needs to join now (also after a broker restart lost retained messages)."""
@@ -210,13 +234,13 @@ class Coordinator:
             if kind == "register":
                 return self._on_register(device, payload, now)
             if kind == "presence":
-                self._on_presence(device, payload)
+                self._on_presence(device, payload, now)
                 return []
             if kind == "update":
                 return self._on_update(device, payload, now)
             return self._on_strategy_message(kind, device, payload, now)
         except WireError as e:
-            return self._reject(device, e.code, str(e), now)
+            return self._reject(device, e.code, str(e), now, quiet=isinstance(e, _Resent))
         except CheckpointError:
             raise  # the service must stop unacknowledged: the broker redelivers to the restarted one
         except Exception as e:  # a bug must cost one message, never the service; the device hears of it
@@ -317,7 +341,7 @@ class Coordinator:
             self._registry_dirty = self._state_dirty = True
         return []
 
-    def _on_presence(self, device: str, payload: bytes) -> None:
+    def _on_presence(self, device: str, payload: bytes, now: float) -> None:
         status = bytes(payload)
         if status not in (b"online", b"offline", b""):  # b"": the retained presence cleared
             raise WireError("bad_message", f"presence must be online or offline, got {len(status)} other bytes")
@@ -326,6 +350,20 @@ class Coordinator:
         if status != b"online" and device in self.round.invited and self.strategy.collecting and \
                 device not in self.strategy.answered(self.round.folded.keys()):
             self._lapsed.add(device)  # it declined, or dropped out: the next top-up invites another
+        if status == b"online":
+            self._count_online(device, now)
+
+    def _count_online(self, device: str, now: float) -> None:
+        """A device connects once and stays; one that says `online` ONLINE_BURST times within ONLINE_WINDOW_S is
+        most likely two agents with one client id, each connect taking the connection over from the other: said
+        once a window."""
+        first, count = self._onlines.get(device, (now, 0))
+        first, count = (first, count + 1) if now - first <= ONLINE_WINDOW_S else (now, 1)
+        self._onlines[device] = (first, count)
+        if count == ONLINE_BURST:
+            log.warning("device %s came online %d times in %.0f s: are two agents running with --client-id %s? "
+                        "Each connect takes the connection over from the other (or its network keeps dropping); "
+                        "give each device its own id", device, count, now - first, device)
 
     def _on_update(self, device: str, payload: bytes, now: float) -> list[Outgoing]:
         self.round.bytes_received += len(payload)
@@ -342,12 +380,13 @@ class Coordinator:
             if registration is None:
                 raise WireError("unknown_device", f"{device} has not registered: publish register/{device} first")
             meta = self._update_meta(device, chunk)
+            if self._accepted(device, meta.round):
+                raise _Resent("duplicate_update" if meta.round == self.round.number else "late_update",
+                              f"round {meta.round} update already accepted from {device}")
             self.strategy.check(meta)  # the round it is for, its codec
             if self.selecting and device not in self.round.invited:  # before reassembly: it costs no memory
                 raise WireError("not_invited", f"{device} is not invited to round {meta.round}: wait for an "
                                 f"invitation on {self.topics.invite(device)}")
-            if device in self.round.folded:
-                raise WireError("duplicate_update", f"round {meta.round} update already accepted from {device}")
             if meta.base_digest != self.digest:
                 raise WireError("digest_mismatch", f"update base_digest {meta.base_digest} is not {self.digest}")
             if meta.n_samples > self.config.quotas.max_samples_per_device:  # registered under a higher cap earlier
@@ -371,6 +410,11 @@ class Coordinator:
             self._reassembler.discard(device)
             raise
         return out + self._settle(now)
+
+    def _accepted(self, device: str, round_: int) -> bool:
+        """Whether this device's update for `round_` was folded: in the open round, or in the one closed last."""
+        closed, folded = self._last_closed
+        return device in (self.round.folded if round_ == self.round.number else folded if round_ == closed else ())
 
     def _folded(self, device: str, n_samples: int, metrics: dict[str, float], started: float) -> None:
         """The strategy folded (and checkpointed) the update: the round records it, then the commit."""
@@ -396,15 +440,15 @@ class Coordinator:
         return out + self._settle(now)
 
     def _reject(self, device: str | None, code: str, message: str, now: float,
-                error: Exception | None = None) -> list[Outgoing]:
-        """Count, log (one record, with the traceback of an internal `error`; at most LOG_BURST a device per
-        LOG_WINDOW_S, then a summary: coordinator/logs.py) and answer a refused message; a topic that names
-        no device has nobody to answer."""
+                error: Exception | None = None, quiet: bool = False) -> list[Outgoing]:
+        """Count, log (one record, with the traceback of an internal `error`; `quiet`: a harmless resend, at debug
+        level; at most LOG_BURST a device per LOG_WINDOW_S, then a summary: coordinator/logs.py) and answer a
+        refused message; a topic that names no device has nobody to answer."""
         self.counters[code] += 1
         self.round.rejected[code] += 1
         self._state_dirty = True
-        self._log.log(now, device or "?", f"rejected {code}", logging.WARNING, "rejected %s from %s: %s", code,
-                      device or "?", message, exc_info=error)
+        self._log.log(now, device or "?", f"rejected {code}", logging.DEBUG if quiet else logging.WARNING,
+                      "rejected %s from %s: %s", code, device or "?", message, exc_info=error)
         if device is None:
             return []
         answer = ErrorMessage(code, message[:MAX_ERROR_TEXT], self.round.number)
@@ -570,6 +614,7 @@ class Coordinator:
         last = closed.number >= self.config.rounds.rounds
         record.update(self.strategy.record(closed, last))  # a DP strategy then adapts its clip norm
         self.finished = last or self.strategy.stopped
+        self._last_closed = (closed.number, frozenset(closed.folded))
         self.round = RoundRecord(closed.number if self.finished else closed.number + 1)
         self._answered, self._lapsed = set(), set()
         if self.selecting and not self.finished:
@@ -583,9 +628,11 @@ class Coordinator:
             self.store.write_tensors(FINAL_FILE, self.model)
         self._commit(registry=True)  # once a round, registrations changed since the last tick go with it
         self.store.append_metrics(record)
-        log.info("round %d closed: %d participant(s), %d samples, accuracy %.4f ± %.4f, %.1f KiB received",
-                 closed.number, record["participants"], record["n_samples"], record["accuracy_mean"] or 0.0,
-                 record["accuracy_std"] or 0.0, record["bytes_received"] / 1024)
+        mean, std = record["accuracy_mean"], record["accuracy_std"]
+        log.info("round %d closed: %d participant(s), %d samples, %.1f KiB received; the devices' accuracy of round "
+                 "%d's model (its base with each one's head, on its test split): %s", closed.number,
+                 record["participants"], record["n_samples"], record["bytes_received"] / 1024, closed.number,
+                 "none reported" if mean is None else f"{mean:.4f} ± {std:.4f}")
         self._opened_at, self._deadline, self._broadcast_s = now, now + self.config.rounds.round_timeout, 0.0
         self._model_blob = None
         stale = sorted(closed.invited - self.round.invited)  # retained invitations of the closed round
@@ -648,7 +695,8 @@ class Coordinator:
             self._backoff_file = self.store.write_registry(misses, BACKOFF_PREFIX) if misses else None
             self._backoff_dirty = False
         CoordinatorState(self.digest, self._model_file, self.round, self.counters, self.finished,
-                         self._registry_file, self.strategy.checkpoint(), backoff=self._backoff_file).write(self.store)
+                         self._registry_file, self.strategy.checkpoint(), backoff=self._backoff_file,
+                         fleet=self.topics.fleet).write(self.store)
         self._state_dirty = True
 
     # ------------------------------------------------------------ outgoing

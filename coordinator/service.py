@@ -5,7 +5,9 @@ runs in paho's network thread, so a flood is dropped before it is queued. A QoS 
 acknowledged after it was handled (an accepted update after its checkpoint), so a kill before that
 makes the broker redeliver it (docs/reliability.md). The engine's thread never waits for the broker
 but at the very end: under a flood the broker's acknowledgement of a model broadcast came 30-76 s late,
-and a thread waiting for it let the round's deadline pass unhandled.
+and a thread waiting for it let the round's deadline pass unhandled. With `linger_s` (the embedded broker,
+which stops with this process) the service stays after the last round until no device is online or linger_s
+has passed, so that every device hears the final model and goes offline itself rather than losing its broker.
 """
 
 from __future__ import annotations
@@ -38,9 +40,10 @@ def run_service(
     tls_ca: str | None = None,
     stop: threading.Event | None = None,
     on_tick: Callable[[Coordinator], None] | None = None,
+    linger_s: float = 0.0,
 ) -> None:
-    """Serve until the last round is closed and announced (or `stop` is set); BrokerRefused when
-    the broker turns the coordinator away."""
+    """Serve until the last round is closed and announced (then up to `linger_s` more while devices are online),
+    or `stop` is set; BrokerRefused when the broker turns the coordinator away."""
     topics = coordinator.topics
     stop = stop or threading.Event()
     offline = json.dumps({"v": 1, "status": "offline"}).encode()
@@ -50,10 +53,11 @@ def run_service(
     subscriptions = [(f"{topics.base}/{kind}/+", 1) for kind in coordinator.strategy.kinds]
     started = False
     broadcast = _Broadcast()
+    linger_until = None  # once finished: when to stop waiting for the devices online to go
+    log.info("connecting to %s:%d (MQTT %s), fleet %s", broker.host, broker.port, protocol, topics.fleet)
     try:
         with Session(client, broker, subscriptions, log=log.warning,
                      admit=lambda topic: coordinator.admit(topic, time.time())) as session:
-            log.info("connecting to %s:%d (MQTT %s), fleet %s", broker.host, broker.port, protocol, topics.fleet)
             while not stop.is_set():
                 event = session.receive(timeout=0.1)
                 now = time.time()
@@ -67,11 +71,16 @@ def run_service(
                     session.ack(event)  # only now: an accepted update is checkpointed before the broker forgets it
                 if started:
                     out += coordinator.tick(now)
-                    _publish(client, coordinator, out, broadcast, wait_all=coordinator.finished)
+                    _publish(session.client, coordinator, out, broadcast, wait_all=coordinator.finished)
                     if on_tick:
                         on_tick(coordinator)
                     if coordinator.finished:  # the final model and state are out and acknowledged
-                        break
+                        if linger_until is None and linger_s > 0 and coordinator.online:
+                            linger_until = now + linger_s
+                            log.info("final model published; waiting up to %.0f s for the %d device(s) online to "
+                                     "fetch it before the embedded broker stops", linger_s, len(coordinator.online))
+                        if linger_until is None or not coordinator.online or now >= linger_until:
+                            break
     finally:
         stop.set()
 

@@ -98,12 +98,14 @@ class CoordinatorState:
     inline_registry: dict[str, Any] | None = None  # a version-0 file's registrations, to be moved into a file
     backoff: str | None = None  # the backoff file (selection); None: no device is backed off
     version: int = STATE_VERSION
+    fleet: str | None = None  # the fleet it serves (None: written before it was recorded)
 
     def write(self, store: Store) -> None:
         """Commit: state.json names exactly the files that stay."""
         store.commit({"version": self.version, "base_digest": self.base_digest, "model": self.model,
                       "round": self.round.to_json(), "counters": dict(self.counters), "finished": self.finished,
-                      "registry": self.registry, "strategy": self.strategy, "backoff": self.backoff})
+                      "registry": self.registry, "strategy": self.strategy, "backoff": self.backoff,
+                      "fleet": self.fleet})
 
     @classmethod
     def read(cls, store: Store) -> CoordinatorState | None:
@@ -120,7 +122,8 @@ class CoordinatorState:
                                          "updates": body.get("updates", {})}}
         return cls(body.get("base_digest", ""), body["model"], RoundRecord.from_json(body["round"]),
                    dict(body["counters"]), body["finished"], body.get("registry"), body["strategy"],
-                   inline_registry=body["registered"] if version == 0 else None, backoff=body.get("backoff"))
+                   inline_registry=body["registered"] if version == 0 else None, backoff=body.get("backoff"),
+                   fleet=body.get("fleet"))
 
 
 class CheckpointError(RuntimeError):

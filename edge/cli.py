@@ -8,8 +8,10 @@ from pathlib import Path
 
 import typer
 
+from fedper.onecommand import OneCommand
+
 app = typer.Typer(help="FedPer device agent: trains locally, sends the base, keeps the head on this device.",
-                  no_args_is_help=True)
+                  rich_markup_mode=None, no_args_is_help=True, cls=OneCommand)
 
 
 @app.callback(invoke_without_command=True)
@@ -94,6 +96,7 @@ def run(
         runtime, line = choose_backend(backend)
         typer.echo(f"fedper-agent: {line}", err=True)
         config = replace(config, backend=runtime)
+        _check_data(data)
         check_codec(compression)
         with skipping_unreadable_images() if skip_unreadable_images else nullcontext([]) as skipped:
             agent = Agent(config, log=lambda line: typer.echo(line, err=True))
@@ -111,6 +114,15 @@ def run(
     except KeyboardInterrupt:
         typer.echo("interrupted: the state is saved, run the same command to rejoin", err=True)
         raise typer.Exit(130) from None
+
+
+def _check_data(data: Path) -> None:
+    """--data names a folder or an .npz that exists (said before the artifacts and the runtime are loaded)."""
+    if not data.exists():
+        raise ValueError(f"--data {data} does not exist")
+    if data.is_file() and data.suffix != ".npz":
+        raise ValueError(f"--data {data} is a file, and not an .npz: give an image folder (<class>/* images, or "
+                         "train/ and test/ holding them) or an .npz with x_train and y_train")
 
 
 def main() -> None:

@@ -43,12 +43,12 @@ def run_agent(agent: Agent, stop: threading.Event | None = None) -> None:
                          tls=broker.tls, tls_ca=c.tls_ca, will=offline)
     subscribed = engine.subscriptions()
     worker: threading.Thread | None = None
+    agent.log(f"{c.client_id}: {agent.n_samples} training / {len(agent.data.y_test)} test samples, "
+              f"{agent.manifest.algorithm} with {c.backend}, connecting to {c.broker} (MQTT {c.mqtt_version})")
     # Every model (model/#) is dropped at each connect unless wanted: a persistent session would keep
     # an earlier run's subscription, and with selection the broker would push each round's model here.
     with Session(client, broker, subscribed, log=agent.log, farewell=offline, forget=[engine.all_models_topic],
                  backoff=Backoff.device(c.reconnect_spread_s)) as session:
-        agent.log(f"{c.client_id}: {agent.n_samples} training / {len(agent.data.y_test)} test samples, "
-                  f"{agent.manifest.algorithm} with {c.backend}, connecting to {c.broker}")
         while not stop.is_set() and not engine.done:
             for action in engine.handle(_input(session.receive(timeout=0.2)), agent.clock()):
                 if isinstance(action, Outgoing):

@@ -99,10 +99,14 @@ def export(
 @app.command()
 def verify(directory: Path = typer.Argument(..., help="An export directory (holds manifest.json).")) -> None:
     """Check an export directory against its manifest: checksums, tensor names, shapes, roles, digest."""
-    from fedper.manifest import Manifest
+    from fedper.manifest import Manifest, ManifestError
     from fedper.verify import summary
     from fedper.verify import verify as check
 
+    try:
+        Manifest.load(directory)
+    except ManifestError as e:  # no export there at all (no folder, no manifest): one line, not a list of mismatches
+        _fail(str(e))
     problems = check(directory)
     if problems:
         for line in problems:

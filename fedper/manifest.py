@@ -152,8 +152,11 @@ class Manifest:
         path = Path(directory) / MANIFEST_FILE
         try:
             body = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ManifestError(f"no {MANIFEST_FILE} in {directory}: is it an export directory?") from None
+        except (FileNotFoundError, NotADirectoryError):
+            where = Path(directory)
+            why = "is it an export directory?" if where.is_dir() else \
+                f"{where} {'is a file' if where.exists() else 'does not exist'}"
+            raise ManifestError(f"no {MANIFEST_FILE} in {directory}: {why}") from None
         except json.JSONDecodeError as e:
             raise ManifestError(f"{path} is not valid JSON: {e}") from None
         return cls.from_dict(body)

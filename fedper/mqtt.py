@@ -14,6 +14,11 @@ in the network thread: what it refuses is acknowledged there and never queued, s
 the receiving side microseconds a message instead of a place in the queue and a trip through the
 engine (the filter must be thread-safe).
 
+A broker that cannot be reached is said, with where and what to try, at each failed attempt (at most one
+line every few seconds); a broker that does not speak MQTT 5 (the embedded amqtt broker speaks 3.1.1 only) is
+spoken to in 3.1.1 instead; a connection the broker drops again and again right after each connect (another
+client with the same client id taking it over) is said too.
+
 The broker password never needs the command line, where every user of the machine reads it in `ps`:
 `broker_password` takes it from the file FEDPER_MQTT_PASSWORD_FILE names or from systemd's credential
 (`LoadCredential=mqtt-password:...` puts it in $CREDENTIALS_DIRECTORY) when none is given, for every
@@ -26,8 +31,10 @@ import contextlib
 import os
 import queue
 import random
+import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +50,11 @@ PROTOCOLS = {"3.1.1": mqtt.MQTTv311, "5": mqtt.MQTTv5}
 SESSION_EXPIRY_S = 24 * 3600
 PASSWORD_FILE_ENV = "FEDPER_MQTT_PASSWORD_FILE"  # a file holding the broker password (one line)
 CREDENTIAL = "mqtt-password"  # its name as a systemd credential (deploy/systemd/)
+CONNACK_WAIT_S = 5.0  # connected, no CONNACK: amqtt (3.1.1 only) reading an MQTT 5 CONNECT waits for bytes forever
+REPORT_EVERY_S = 5.0  # at most one line this often about a broker that cannot be reached
+SHORT_LIVED_S = 60.0  # a connection the broker drops sooner than this after the CONNACK counts towards a takeover
+TAKEOVERS = 3  # that many in a row: said (two clients with one client id knock each other off)
+UNSUPPORTED_PROTOCOL = 132  # CONNACK reason "Unsupported protocol version" (3.1.1's return code 1 maps to it)
 
 
 @dataclass(frozen=True)
@@ -86,6 +98,23 @@ def broker_password(password: str | None) -> str | None:
     return lines[0]
 
 
+class Client(mqtt.Client):
+    """paho's client as make_client builds it: with its settings (to build it again for MQTT 3.1.1) and the error
+    of its last failed connect, which paho's on_connect_fail does not pass on."""
+
+    settings: dict[str, Any]  # make_client's arguments
+    connect_error: OSError | None = None
+    attempt_at = 0.0  # time.monotonic() of the last connect attempt
+
+    def reconnect(self) -> mqtt.MQTTErrorCode:
+        self.attempt_at, self.connect_error = time.monotonic(), None
+        try:
+            return super().reconnect()
+        except OSError as e:
+            self.connect_error = e
+            raise
+
+
 def make_client(
     client_id: str,
     *,
@@ -96,7 +125,7 @@ def make_client(
     tls_ca: str | None = None,
     will: tuple[str, bytes] | None = None,
     manual_ack: bool = False,
-) -> mqtt.Client:
+) -> Client:
     """A paho client with a persistent session, auth, TLS, a retained last will and reconnect backoff.
 
     manual_ack: QoS 1 messages are acknowledged by the caller (client.ack) once handled, so the
@@ -106,10 +135,12 @@ def make_client(
     if protocol not in PROTOCOLS:
         raise ValueError(f"MQTT protocol {protocol!r}: choose one of {', '.join(PROTOCOLS)}")
     v5 = protocol == "5"
-    client = mqtt.Client(
+    client = Client(
         mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=PROTOCOLS[protocol], manual_ack=manual_ack,
         **({} if v5 else {"clean_session": False}),
     )
+    client.settings = {"client_id": client_id, "protocol": protocol, "username": username, "password": password,
+                       "tls": tls, "tls_ca": tls_ca, "will": will, "manual_ack": manual_ack}
     if username is not None:
         client.username_pw_set(username, broker_password(password))
     if tls or tls_ca:
@@ -188,6 +219,30 @@ class _Refused:
     reason: str
 
 
+@dataclass(frozen=True)
+class _Unsupported:
+    """The broker answered an MQTT 5 CONNECT with "unsupported protocol version"."""
+
+
+def connect_problem(error: OSError | None, broker: BrokerUrl, reason: object = None) -> str:
+    """Why a connect to `broker` failed and what to try, from the error of its TCP/TLS connect (None: the
+    connection was made, and lost for `reason` before the broker's CONNACK)."""
+    if isinstance(error, socket.gaierror):
+        return f"the host name {broker.host!r} does not resolve ({error.strerror}): check the broker URL's host"
+    if isinstance(error, ConnectionRefusedError):
+        return (f"connection refused: nothing listens on port {broker.port} there; is the broker running, and is "
+                f"{broker.port} its port (the coordinator's --embedded-broker listens on its --port)?")
+    if isinstance(error, TimeoutError):
+        return "no answer (timed out): is the host right, and the port open in its firewall?"
+    if isinstance(error, ssl.SSLError):
+        return (f"the TLS handshake failed ({error.reason or error}): mqtts:// needs the broker's TLS port, and "
+                "--tls-ca the CA that signed its certificate")
+    if error is None:
+        return (f"the connection ended before the broker answered the MQTT CONNECT ({reason}): is this port a "
+                "TLS one (then use mqtts://)?")
+    return error.strerror or str(error)
+
+
 class Session:
     """A started paho client and its inbox, from connect to a clean disconnect (use it with `with`).
 
@@ -195,13 +250,15 @@ class Session:
     changes them. forget: topic filters unsubscribed on every connect unless wanted then (a
     persistent session keeps what an earlier run of the same client subscribed to). farewell:
     (topic, payload) published retained at QoS 1, and waited for, before a clean disconnect (the
-    broker sends the last will only when a client vanishes). log: where "lost the broker" goes.
-    backoff: how long paho waits before each reconnect attempt (default: the coordinator's prompt one).
-    admit: called with each message's topic in paho's network thread; a message it refuses is dropped
-    there (a QoS 1 one acknowledged at once, for good) and never reaches `receive`.
+    broker sends the last will only when a client vanishes). log: where "lost the broker", why a connect
+    failed and the switch to MQTT 3.1.1 go. backoff: how long paho waits before each reconnect attempt
+    (default: the coordinator's prompt one). admit: called with each message's topic in paho's network
+    thread; a message it refuses is dropped there (a QoS 1 one acknowledged at once, for good) and never
+    reaches `receive`. `client` (make_client's) is replaced by an MQTT 3.1.1 one when the broker does not
+    speak MQTT 5: publish through the session, or through `session.client`.
     """
 
-    def __init__(self, client: mqtt.Client, broker: BrokerUrl, subscriptions: Sequence[tuple[str, int]], *,
+    def __init__(self, client: Client, broker: BrokerUrl, subscriptions: Sequence[tuple[str, int]], *,
                  log: Callable[[str], None], farewell: tuple[str, bytes] | None = None,
                  backoff: Backoff | None = None, forget: Iterable[str] = (),
                  admit: Callable[[str], bool] | None = None) -> None:
@@ -213,14 +270,26 @@ class Session:
         self._log, self._farewell = log, farewell
         self._backoff = backoff or Backoff.coordinator()
         self._established = False
-        self._inbox: queue.Queue[Connected | Received | _Refused | Any] = queue.Queue()
+        self._inbox: queue.Queue[Connected | Received | _Refused | _Unsupported | Any] = queue.Queue()
         self._closing = False
         self._admit = admit
+        self._down_since = time.monotonic()  # trying to connect since: the start, or the last loss
+        self._last_report = -float("inf")
+        self._connected_at = 0.0  # time.monotonic() of the last CONNACK; 0: none yet
+        self._short_lived = 0  # connections in a row that the broker dropped within SHORT_LIVED_S
+        self._attach(client)
+
+    @property
+    def where(self) -> str:
+        return f"{self.broker.host}:{self.broker.port}"
+
+    def _attach(self, client: Client) -> None:
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
-        client.on_connect_fail = lambda client, userdata: self._wait_before_next(self._backoff.after_failure())
+        client.on_connect_fail = lambda client, userdata: self._failed(connect_problem(client.connect_error,
+                                                                                       self.broker))
         client.on_message = self._on_message
-        connect_async(client, broker)
+        connect_async(client, self.broker)
 
     def _on_message(self, client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
         topic = msg.topic
@@ -231,11 +300,12 @@ class Session:
 
     def _on_connect(self, client: mqtt.Client, userdata: object, flags: object, reason: object, props: object) -> None:
         if getattr(reason, "is_failure", False):
-            self._closing = True  # `receive` raises BrokerRefused: paho's disconnect that follows is no news
-            self._inbox.put(_Refused(str(reason)))
+            self._closing = True  # `receive` acts on it: paho's disconnect that follows is no news
+            unsupported = getattr(reason, "value", None) == UNSUPPORTED_PROTOCOL and self._may_fall_back()
+            self._inbox.put(_Unsupported() if unsupported else _Refused(str(reason)))
             return
         self._backoff.connected()
-        self._established = True
+        self._established, self._connected_at = True, time.monotonic()
         with self._subscribed:
             stale = sorted(self._forget - self._subscriptions.keys())
             if stale:
@@ -249,13 +319,38 @@ class Session:
                        props: object) -> None:
         if self._closing:
             return
-        if self._established:  # a connection that worked is gone: come back within the spread window
-            self._established = False
-            delay = self._backoff.after_loss()
-            self._log(f"lost the broker ({reason}): reconnecting in {delay:.1f} s")
-        else:  # an attempt that got no CONNACK
-            delay = self._backoff.after_failure()
+        if not self._established:  # an attempt that got no CONNACK
+            self._failed(connect_problem(None, self.broker, reason))
+            return
+        self._established = False  # a connection that worked is gone: come back within the spread window
+        self._down_since = time.monotonic()
+        delay = self._backoff.after_loss()
+        why = "the connection closed" if str(reason) == "Unspecified error" else reason  # paho's word for a lost socket
+        self._log(f"lost the broker ({why}): reconnecting in {delay:.1f} s")
         self._wait_before_next(delay)
+        lived = self._down_since - self._connected_at
+        self._short_lived = self._short_lived + 1 if lived < SHORT_LIVED_S else 0
+        if self._short_lived % TAKEOVERS == 0 and self._short_lived:
+            self._log(f"the broker dropped this connection {self._short_lived} times in a row, each within "
+                      f"{SHORT_LIVED_S:g} s of connecting: is another client connected with the client id "
+                      f"{self.client.settings['client_id']!r} (two agents started with one --client-id, or two "
+                      "coordinators of one fleet)? Each takes the connection over from the other when it connects: "
+                      "give each its own id")
+
+    def _failed(self, problem: str) -> None:
+        """A connect attempt failed (in paho's network thread): wait the backoff's next delay, and say why."""
+        delay = self._backoff.after_failure()
+        self._wait_before_next(delay)
+        self._report(problem, f"trying again in {delay:.1f} s")
+
+    def _report(self, problem: str, then: str) -> None:
+        """One line on why the broker cannot be reached, at most every REPORT_EVERY_S."""
+        now = time.monotonic()
+        if now - self._last_report < REPORT_EVERY_S:
+            return
+        self._last_report = now
+        self._log(f"cannot connect to the broker at {self.where} (for {now - self._down_since:.0f} s): "
+                  f"{problem} ({then})")
 
     def _wait_before_next(self, delay: float) -> None:
         """paho's network thread waits its reconnect delay right after the callback that calls this:
@@ -283,14 +378,47 @@ class Session:
     def receive(self, timeout: float) -> Connected | Received | Any | None:
         """The next message or connect (or posted event), None after `timeout` seconds of quiet; BrokerRefused
         when refused."""
+        self._watch()
         try:
             event = self._inbox.get(timeout=timeout)
         except queue.Empty:
             return None
+        if isinstance(event, _Unsupported):
+            self._use_mqtt311("it answered that it does not support that protocol version")
+            return None
         if isinstance(event, _Refused):
-            raise BrokerRefused(f"the broker at {self.broker.host}:{self.broker.port} refused the connection: "
-                                f"{event.reason}")
+            raise BrokerRefused(f"the broker at {self.where} refused the connection: {event.reason}")
         return event
+
+    def _watch(self) -> None:
+        """Connected, and no CONNACK CONNACK_WAIT_S later: MQTT 5 that never got through goes 3.1.1, else said."""
+        client = self.client
+        if self._established or self._closing or client.socket() is None \
+                or time.monotonic() - client.attempt_at < CONNACK_WAIT_S:
+            return
+        if self._may_fall_back():
+            self._use_mqtt311(f"no answer to its CONNECT in {CONNACK_WAIT_S:g} s")
+        else:
+            self._report(f"connected, but no answer to the MQTT CONNECT in {CONNACK_WAIT_S:g} s: is this an MQTT "
+                         "broker's port (mqtts:// for a TLS one)? The embedded broker is silent too while another "
+                         f"connection holds the client id {self.client.settings['client_id']!r} (two agents with one "
+                         "--client-id?)", "still waiting")
+
+    def _may_fall_back(self) -> bool:
+        """MQTT 5 that never got through: a broker that once took MQTT 5 speaks it (a slow CONNACK is said)."""
+        return self.client.protocol == mqtt.MQTTv5 and not self._connected_at
+
+    def _use_mqtt311(self, why: str) -> None:
+        """Drop the MQTT 5 client for an MQTT 3.1.1 one with the same settings (before any connect succeeded)."""
+        old = self.client
+        self._closing = True  # the old client's disconnect is no news
+        old.disconnect()
+        old.loop_stop()
+        self._log(f"the broker at {self.where} does not speak MQTT 5 ({why}): connecting with MQTT 3.1.1 (the "
+                  "embedded amqtt broker speaks only 3.1.1; --mqtt-version 3.1.1 goes straight to it)")
+        self.client = make_client(**{**old.settings, "protocol": "3.1.1"})
+        self._closing = False
+        self._attach(self.client)
 
     def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> mqtt.MQTTMessageInfo:
         return self.client.publish(topic, payload, qos=qos, retain=retain)

@@ -265,16 +265,14 @@ def test_inconsistent_dp_settings_are_refused(tmp_path: Path, config: dict[str, 
     (["--dp-noise-multiplier", "1", "--clip-norm", "1", "--dp-budget-action", "maybe"], "stop or warn"),
     (["--dp-noise-multiplier", "1", "--clip-norm", "1", "--dp-target-epsilon", "0.001"], "already spends more"),
 ])
-def test_the_cli_refuses_inconsistent_dp_flags_in_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+def test_the_cli_refuses_inconsistent_dp_flags_in_one_line(tmp_path: Path, tiny_artifacts: Path, args: list[str],
+                                                           message: str) -> None:
+    """On a real export: the coordinator verifies it before the engine checks the budget."""
     from typer.testing import CliRunner
 
     from fedper.coordinator.cli import app
 
-    artifacts = tmp_path / "export"
-    artifacts.mkdir()
-    MANIFEST.save(artifacts)
-    (artifacts / "base.safetensors").write_bytes(safetensors(initial()))
-    result = CliRunner().invoke(app, ["--artifacts", str(artifacts), "--fleet", FLEET, "--rounds", "1",
+    result = CliRunner().invoke(app, ["--artifacts", str(tiny_artifacts), "--fleet", FLEET, "--rounds", "1",
                                       "--state-dir", str(tmp_path / "s"), "--broker", "mqtt://x", *args])
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
 

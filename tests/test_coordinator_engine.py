@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from helpers.frames import chunks, safetensors
 from helpers.legacy_state import earlier_layout, rewrite_as_earlier
+from helpers.toy_export import write_toy_export
 from safetensors.numpy import load_file
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
@@ -287,13 +288,11 @@ def test_cli_bad_input_is_one_clear_line(tmp_path: Path, args: list[str], messag
     from typer.testing import CliRunner
 
     from fedper.coordinator.cli import app
-    from fedper.payload import encode_shared
 
     artifacts = tmp_path / "export"
     artifacts.mkdir()
     if args:
-        MANIFEST.save(artifacts)
-        (artifacts / "base.safetensors").write_bytes(encode_shared(MANIFEST, tiny_tensors()))
+        write_toy_export(artifacts, MANIFEST, tiny_tensors())
     result = CliRunner().invoke(app, ["--artifacts", str(artifacts), "--fleet", "lab", "--rounds", "1",
                                       "--state-dir", str(tmp_path / "s"), *(args or ["--broker", "mqtt://x"])])
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
@@ -564,10 +563,7 @@ def test_cli_refuses_inconsistent_selection_options(tmp_path: Path) -> None:
 
     from fedper.coordinator.cli import app
 
-    artifacts = tmp_path / "export"
-    artifacts.mkdir()
-    MANIFEST.save(artifacts)
-    (artifacts / "base.safetensors").write_bytes(encode_shared(MANIFEST, tiny_tensors()))
+    artifacts = write_toy_export(tmp_path / "export", MANIFEST, tiny_tensors())
     result = CliRunner().invoke(app, ["--artifacts", str(artifacts), "--fleet", "lab", "--rounds", "1",
                                       "--state-dir", str(tmp_path / "s"), "--broker", "mqtt://x",
                                       "--clients-per-round", "2", "--min-clients", "3"])

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers.frames import chunks, safetensors
+from helpers.toy_export import write_toy_export
 from safetensors.numpy import load_file, save
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
@@ -182,10 +183,8 @@ def test_deadline_closes_round_without_the_silent_device(mosquitto, tmp_path: Pa
 
 
 def write_artifacts(directory: Path, manifest: Manifest, initial: dict[str, np.ndarray]) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    manifest.save(directory)
-    (directory / "base.safetensors").write_bytes(encode_shared(manifest, initial))
-    return directory
+    """An export of the toy manifest that the coordinator's check at start accepts (helpers/toy_export.py)."""
+    return write_toy_export(directory, manifest, initial)
 
 
 def cli(artifacts: Path, state_dir: Path, *args: str) -> subprocess.Popen[bytes]:
