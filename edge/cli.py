@@ -93,10 +93,10 @@ def run(
         identity=identity,
     )
     try:
+        _check_data(data)  # before the backend's line: a wrong path is answered in one line
         runtime, line = choose_backend(backend)
         typer.echo(f"fedper-agent: {line}", err=True)
         config = replace(config, backend=runtime)
-        _check_data(data)
         check_codec(compression)
         with skipping_unreadable_images() if skip_unreadable_images else nullcontext([]) as skipped:
             agent = Agent(config, log=lambda line: typer.echo(line, err=True))

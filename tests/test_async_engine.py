@@ -174,7 +174,8 @@ def test_m_devices_keep_training_across_releases_each_on_its_own_version(tmp_pat
     now_invited = invitations(out)
     assert now_invited[slow] == 1  # still training on version 1: its invitation stays that of round 1
     assert len(now_invited) == 2 and [r for d, r in now_invited.items() if d != slow] == [2]
-    stranger = next(d for d in c.registered if d not in now_invited)
+    stranger = next(d for d in c.registered if d not in now_invited and d != fast)
+    assert send(c, fast, plus(c.model, 1.0), 1, 10) == ["late_update"]  # its version-1 update, sent again
     assert send(c, stranger, plus(c.model, 1.0), 1, 10) == ["not_invited"]
     version1 = load_file(str(tmp_path / "version-r1.safetensors"))
     trained_on_1 = {t.name: version1[f"model/{t.name}"] + FLOAT(2.0) for t in MANIFEST.shared_tensors}
