@@ -9,6 +9,7 @@ update."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import time
@@ -80,7 +81,8 @@ def test_a_browser_page_takes_part_in_fedper_rounds(ws_broker, tiny_artifacts, p
     assert result["isolated"], "the page is not cross-origin isolated: no wasm threads"
 
     assert result["reloadedAfter"] >= 2
-    assert any(f"restored the head of round {result['reloadedAfter']}" in line for line in result["log"]), result["log"]
+    restored = [int(m[1]) for line in result["log"] if (m := re.search(r"restored the head of round (\d+)", line))]
+    assert restored and restored[-1] >= result["reloadedAfter"], result["log"]  # it may have trained on meanwhile
     assert 0 <= result["final"] <= 1 and "finished" in result["status"]
     rounds = [json.loads(line) for line in (state / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds] == list(range(1, ROUNDS + 1))

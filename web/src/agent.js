@@ -92,6 +92,7 @@ export class Agent {
     this.model = null; // {blobId, sha256, tensors}: the open round's model, decoded
     this.round = null;
     this.sentRound = null;
+    this.lastSent = 0; // the newest round this page (since its load) sent an update for; never reset, for observers
     this.invited = null;
     this.kept = null; // asynchronous rounds: {round, model} of the update sent last (a resend may need its model)
     this.quiet = null;
@@ -329,6 +330,7 @@ export class Agent {
     this.kept = this.round && this.round.max_staleness !== null && model ? { round: saved.round, model } : null;
     const frames = chunkBlob(blob, c.chunkSize, `r${saved.round}-${hex}`, messageFields('UpdateMeta', meta));
     this.sentRound = saved.round;
+    this.lastSent = Math.max(this.lastSent, saved.round);
     return frames.map((payload) => ({ topic: this.topics.update(c.clientId), payload, retain: false }));
   }
 

@@ -40,8 +40,8 @@ try {
   await page.click('#join');
   if (Number(reloadAfter) > 0) {
     result.reloadedAfter = await until(`the update of round ${reloadAfter}`, (k) => {
-      const agent = window.fedper.agent();
-      return agent?.saved?.round >= k && agent.sentRound === agent.saved.round && agent.saved.round;
+      const sent = window.fedper.agent()?.lastSent ?? 0; // sentRound resets at each RoundInfo: too brief to poll
+      return sent >= k && sent;
     }, Number(reloadAfter));
     result.logBeforeReload = await page.evaluate(() => window.fedper.lines);
     await page.reload();
