@@ -18,7 +18,8 @@ from pathlib import Path
 from common import machine
 
 MODULES = ("device_training", "device_contention", "depthwise_graph", "coordinator", "wire", "round_latency",
-           "emulator", "export_table", "secagg", "secagg_hostile", "fleet_scale", "websocket_path", "web")
+           "emulator", "export_table", "secagg", "secagg_hostile", "fleet_scale", "upload_flood", "async_fleet",
+           "websocket_path", "web")
 
 
 def main() -> None:

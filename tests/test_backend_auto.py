@@ -35,6 +35,13 @@ def run(env: dict[str, str], command: str, *args: str, timeout: float = 280) -> 
     return subprocess.run([str(BIN / command), *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def unreadable_data(tmp_path: Path) -> Path:
+    """An .npz that exists (so --data passes its path check) but holds no data set: the run ends at loading it."""
+    path = tmp_path / "data.npz"
+    np.savez(path, nothing=np.zeros(1))
+    return path
+
+
 def stderr_lines(result: subprocess.CompletedProcess[str]) -> list[str]:
     """What the command printed on stderr, torch's own log lines ("W1127 02:51:40.115000 25811 torch/...") left out."""
     return [line for line in result.stderr.splitlines() if line.strip() and not TORCH_LOG.match(line)]
@@ -57,7 +64,7 @@ def test_every_command_starts_without_onnxruntime(tmp_path: Path, command: str) 
 
 def test_agent_backend_ort_without_onnxruntime_says_why_in_one_line(tmp_path: Path, tiny_artifacts: Path) -> None:
     result = run(blocking(tmp_path, "onnxruntime"), "fedper-agent", *agent_args(
-        tiny_artifacts, tmp_path / "data.npz", "mqtt://127.0.0.1:9", "f", "dev0", tmp_path / "state",
+        tiny_artifacts, unreadable_data(tmp_path), "mqtt://127.0.0.1:9", "f", "dev0", tmp_path / "state",
         "--backend", "ort")[2:])
     assert result.returncode == 2, result.stderr
     (line,) = stderr_lines(result)
@@ -68,21 +75,21 @@ def test_agent_backend_ort_without_onnxruntime_says_why_in_one_line(tmp_path: Pa
 def test_agent_without_any_runtime_says_so(tmp_path: Path, tiny_artifacts: Path) -> None:
     """An Intel Mac with Python 3.13 has neither: one line, exit 2, nothing imported on the way fails first."""
     result = run(blocking(tmp_path, "onnxruntime", "torch"), "fedper-agent", *agent_args(
-        tiny_artifacts, tmp_path / "data.npz", "mqtt://127.0.0.1:9", "f", "dev0", tmp_path / "state")[2:])
+        tiny_artifacts, unreadable_data(tmp_path), "mqtt://127.0.0.1:9", "f", "dev0", tmp_path / "state")[2:])
     assert result.returncode == 2, result.stderr
     (line,) = stderr_lines(result)
     assert "--backend auto: neither onnxruntime-training nor torch is installed" in line
 
 
 def test_agent_auto_picks_onnxruntime_where_it_is_installed(tmp_path: Path, tiny_artifacts: Path) -> None:
-    """Here it is: the first line says so (the missing data then ends the run, after it)."""
+    """Here it is: the first line says so (data that holds no data set then ends the run, after it)."""
     result = run(dict(os.environ), "fedper-agent", *agent_args(
-        tiny_artifacts, tmp_path / "missing.npz", "mqtt://127.0.0.1:9", "f", "dev0", tmp_path / "state")[2:])
+        tiny_artifacts, unreadable_data(tmp_path), "mqtt://127.0.0.1:9", "f", "dev0", tmp_path / "state")[2:])
     assert result.returncode == 2, result.stderr
     lines = stderr_lines(result)
     assert lines[0].startswith("fedper-agent: training with onnxruntime-training 1.19"), lines
     assert lines[0].endswith("(--backend auto)")
-    assert "missing.npz" in lines[-1]
+    assert "data.npz" in lines[-1]
 
 
 def test_export_without_onnxruntime_says_why_in_one_line(tmp_path: Path) -> None:

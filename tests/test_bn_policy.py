@@ -294,9 +294,11 @@ def test_figure_bn_draws_each_policy_of_fedper_and_fedavg_as_a_mean_over_three_s
     seeded = _seeded(spec.curves[1], spec.seeds)
     assert [(c.data.seed, c.fleet.seed, c.fleet.bn) for c in seeded] == [(5, 5, "local"), (6, 6, "local"),
                                                                         (7, 7, "local")]
-    runs = [(c, [{"round": 1, "mean_accuracy": a}, {"round": 2, "mean_accuracy": a + 0.1}])
-            for c, a in zip(seeded, (0.2, 0.3, 0.7), strict=True)]
-    [(curve, history)] = _over_seeds(runs, spec.seeds)
+    runs = [(c, [{"round": 1, "mean_accuracy": a}, {"round": 2, "mean_accuracy": a + 0.1}],
+             {"chance_accuracy": chance})
+            for c, a, chance in zip(seeded, (0.2, 0.3, 0.7), (0.25, 0.3, 0.35), strict=True)]
+    [(curve, history, info)] = _over_seeds(runs, spec.seeds)
     assert curve == seeded[0] and [m["round"] for m in history] == [1, 2]
+    assert info["chance_accuracy"] == pytest.approx(0.3)  # each seed splits its own way: the mean chance line
     assert history[1]["mean_accuracy"] == pytest.approx(0.5)
     assert history[1]["accuracy"] == pytest.approx([0.3, 0.4, 0.8])
