@@ -45,6 +45,7 @@ from typing import Any
 import fleet_scale
 import numpy as np
 from common import table, write_json
+from helpers.toy_export import write_toy_export  # fleet_scale put tests/ on the path: the tests' toy export
 
 from fedper.manifest import Manifest, ModelInfo, TensorSpec
 from fedper.payload import decode_shared, encode_shared
@@ -233,10 +234,8 @@ def run_pace(mode: str, seconds: float, directory: Path) -> dict[str, Any]:
     """One mode for `seconds` of wall time: its curve and figures."""
     manifest = learner_manifest()
     artifacts, state = directory / "export", directory / "state"
-    artifacts.mkdir(parents=True)
-    manifest.save(artifacts)
     initial = {"w": np.zeros((64, 10), np.float32), "b": np.zeros(10, np.float32)}
-    (artifacts / "base.safetensors").write_bytes(encode_shared(manifest, initial))
+    write_toy_export(artifacts, manifest, initial)  # the coordinator verifies its export at start
     port = free_port()
     broker = fleet_scale.start_mosquitto(directory, port)
     load_before = os.getloadavg()[0]
@@ -327,9 +326,7 @@ def run_scale(size: int, versions: int, directory: Path, floats: int = 100_000, 
     fleet_scale._raise_fd_limit()
     manifest = fleet_scale.manifest_of(floats)
     artifacts, state_dir = directory / "export", directory / "state"
-    artifacts.mkdir(parents=True)
-    manifest.save(artifacts)
-    (artifacts / "base.safetensors").write_bytes(encode_shared(manifest, fleet_scale.filled(manifest, 0.0)))
+    write_toy_export(artifacts, manifest, fleet_scale.filled(manifest, 0.0))
     central = free_port()
     brokers = [fleet_scale.start_mosquitto(directory, central)]
     edges = [central]
