@@ -35,7 +35,7 @@ from fedper.coordinator.store import (
 from fedper.coordinator.strategies import strategy_for
 from fedper.manifest import Manifest
 from fedper.payload import decode_shared, encode_shared
-from fedper.selection import Backoff, check_seed, invitations, new_seed, select, sit_out_rounds
+from fedper.selection import Backoff, Ranking, check_seed, invitations, new_seed, sit_out_rounds
 from fedper.wire import (
     MAX_ERROR_TEXT,
     Chunk,
@@ -75,6 +75,7 @@ class Coordinator:
         self.selecting = config.selection.clients_per_round is not None  # else every registered device takes part
         seed = config.selection.selection_seed  # secret by default: no device learns its future rounds, and the
         self._seed = new_seed() if seed is None else seed  # fixed-size sampling under DP assumes it (docs/privacy.md)
+        self._ranking = Ranking(self._seed)  # select()'s ranking, kept between top-ups (fedper/selection.py)
         if config.privacy.noise_multiplier is not None and seed is not None:
             check_seed(seed)
         if config.selection.clients_per_round is not None:
@@ -543,8 +544,9 @@ class Coordinator:
         r = self.round
         r.selected, r.invite_cap, r.seed, r.carried = True, self._invitations, self._seed, dict(carried or {})
         room = max(0, r.invite_cap - len(self.strategy.places(r.carried.keys(), set())))
-        r.invited = set(r.carried) | set(select(self._eligible() - r.carried.keys(), room, seed=r.seed,
-                                                round_=r.number))
+        if self.strategy.rerank_each_round:
+            self._ranking.clear()  # every device is ranked with this round's key: select()'s rule
+        r.invited = set(r.carried) | set(self._ranking.take(room, self._eligible() - r.carried.keys(), r.number))
         self._invited_at = dict.fromkeys(r.invited, now)
         log.info("round %d: invited %d of %d device(s) online", r.number, len(r.invited), len(self.online))
 
@@ -585,7 +587,7 @@ class Coordinator:
         room = r.invite_cap - len(self.strategy.places(r.invited - self._lapsed, r.folded.keys()))
         if room <= 0:
             return []
-        chosen = select(self._eligible() - r.invited, room, seed=self._seed, round_=r.number)
+        chosen = self._ranking.take(room, self._eligible() - r.invited, r.number)
         if not chosen:
             return []
         r.invited.update(chosen)

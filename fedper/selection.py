@@ -33,7 +33,7 @@ import hashlib
 import heapq
 import math
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -75,6 +75,38 @@ def select(candidates: Iterable[str], k: int, *, seed: int, round_: int) -> list
     """The k candidates (all, if fewer) with the smallest keys, in key order; ids are compared only to
     break a tie between equal keys, which SHA-256 makes as good as impossible."""
     return heapq.nsmallest(max(k, 0), set(candidates), key=lambda d: (selection_key(seed, round_, d), d))
+
+
+class Ranking:
+    """`select`'s ranking kept between calls, so that a top-up costs the keys of the devices new to it and
+    O(k log N), not a key for every candidate (at 100,000 online devices `select` took 0.16 s, and a selecting
+    coordinator tops up twice a second). A device is ranked with the key of the round current when it
+    enters; `take` removes the devices it returns or finds no longer candidates, which enter again (with the
+    then current round's key) once they are candidates and not ranked. So with `clear` at every round's
+    opening, `rank` then `take` returns exactly what `select` would; without it (asynchronous rounds, whose
+    versions are rounds), a device keeps its key until it is invited, then draws a fresh one when it comes
+    back: every version's choice is still a seeded random order, at a cost that does not grow with the fleet."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._heap: list[tuple[bytes, str]] = []
+        self._ranked: set[str] = set()
+
+    def clear(self) -> None:
+        self._heap, self._ranked = [], set()
+
+    def take(self, k: int, candidates: Set[str], round_: int) -> list[str]:
+        """The k candidates (all, if fewer) first in the ranking, after ranking the candidates new to it."""
+        for device in candidates - self._ranked:
+            heapq.heappush(self._heap, (selection_key(self.seed, round_, device), device))
+            self._ranked.add(device)
+        chosen: list[str] = []
+        while self._heap and len(chosen) < k:
+            _, device = heapq.heappop(self._heap)
+            self._ranked.discard(device)
+            if device in candidates:
+                chosen.append(device)
+        return chosen
 
 
 def sit_out_rounds(misses: int) -> int:

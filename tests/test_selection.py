@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import threading
 import time
 from collections import Counter
@@ -18,8 +19,9 @@ import pytest
 from test_coordinator_live import TOPICS, Device, metrics, run_in_thread, wait_for
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
+from fedper import selection
 from fedper.mqtt import connect_async, make_client, parse_broker_url
-from fedper.selection import check_seed, invitations, new_seed, select, selection_key
+from fedper.selection import Ranking, check_seed, invitations, new_seed, select, selection_key
 from fedper.wire import Invitation, Register, RoundInfo, Topics, WireError
 
 DEVICES = [f"dev-{i:05d}" for i in range(1000)]
@@ -189,3 +191,40 @@ def test_a_live_coordinator_invites_over_mosquitto_and_clears_its_invitations(mo
     for client in [watcher, *(d.client for d in [*devices, eager])]:
         client.disconnect()
         client.loop_stop()
+
+
+def test_a_kept_ranking_takes_what_select_takes_as_candidates_come_and_go() -> None:
+    """Within a round (cleared at its opening) Ranking.take is select() over the candidates of the moment,
+    whatever came online, went offline or was invited in between."""
+    rng = random.Random(7)
+    seed, ranking = new_seed(), None
+    fleet = [f"dev-{i}" for i in range(300)]
+    for round_ in range(1, 6):
+        ranking = ranking or Ranking(seed)
+        ranking.clear()
+        online, invited = set(rng.sample(fleet, 150)), set()
+        for _ in range(20):
+            online ^= set(rng.sample(fleet, 20))  # some come online, some go
+            candidates = online - invited
+            k = rng.randint(0, 12)
+            expected = select(candidates, k, seed=seed, round_=round_)
+            assert ranking.take(k, candidates, round_) == expected
+            invited |= set(expected)
+
+
+def test_a_kept_ranking_draws_keys_only_for_devices_new_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cost that made a selecting coordinator's work grow with the fleet: select() drew a key for each of
+    20,000 candidates at every top-up; the kept ranking draws one per device new to it."""
+    drawn = []
+    real = selection.selection_key
+    monkeypatch.setattr(selection, "selection_key", lambda *args: drawn.append(args) or real(*args))
+    candidates = {f"dev-{i}" for i in range(20_000)}
+    ranking = Ranking(new_seed())
+    first = ranking.take(10, candidates, 1)
+    assert len(drawn) == 20_000 and len(first) == 10
+    drawn.clear()
+    later = ranking.take(10, candidates - set(first) | {"late-1", "late-2"}, 2)
+    assert len(drawn) == 2 and not set(later) & set(first)  # the two newcomers only
+    drawn.clear()
+    ranking.take(1, candidates, 3)  # the twenty taken are candidates again: they enter anew, with round 3's key
+    assert sorted(args[2] for args in drawn) == sorted(first + later) and {args[1] for args in drawn} == {3}

@@ -79,6 +79,9 @@ class Strategy:
         """A message on one of the strategy's own topic kinds (beyond the engine's)."""
         raise WireError(kind, f"this coordinator takes no {kind} messages")
 
+    rerank_each_round = True  # a round's selection ranks every device anew (False: fedper.selection.Ranking's
+    # devices keep their keys until invited, so that a version released every few updates costs no key a device)
+
     def oldest_round(self, number: int) -> int:
         """The oldest round whose updates `check` takes while round `number` is open: an invitation to an
         earlier round that is not answered when `number` opens stays live if its round is not older (default:

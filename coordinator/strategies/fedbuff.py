@@ -45,6 +45,7 @@ class FedBuff(Strategy):
     """Staleness-weighted deltas in a buffer of K; a version released per K folds."""
 
     answers = "buffered update(s)"
+    rerank_each_round = False  # a version every K updates: ranking the fleet at each would cost O(N / K) an update
 
     def __init__(self, manifest: Manifest, store: Store, topics: Topics, fleet: Fleet, config: BufferConfig,
                  max_weight_ratio: float = math.inf, budget: PrivacyBudget | None = None) -> None:
