@@ -31,9 +31,7 @@ import json
 import math
 import multiprocessing as mp
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -302,20 +300,6 @@ def bridge_conf(directory: Path, port: int, central: int, name: str) -> Path:
     return conf
 
 
-def start_broker(conf: Path, port: int) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([shutil.which("mosquitto") or "/usr/sbin/mosquitto", "-c", str(conf)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"mosquitto did not listen on {port}")
-
-
 PER_BROKER = 18_000  # devices per Mosquitto: under the 20,000 open files a process may hold here
 PER_WORKER = 18_000  # devices per client process, for the same reason
 
@@ -333,7 +317,7 @@ def run_scale(size: int, versions: int, directory: Path, floats: int = 100_000, 
     if size > PER_BROKER:
         for e in range(math.ceil(size / PER_BROKER)):
             port = free_port()
-            brokers.append(start_broker(bridge_conf(directory, port, central, f"edge{e}"), port))
+            brokers.append(fleet_scale.start_broker(bridge_conf(directory, port, central, f"edge{e}"), port))
             edges.append(port)
         edges = edges[1:]
     load_before = os.getloadavg()[0]

@@ -333,6 +333,11 @@ def start_mosquitto(directory: Path, port: int) -> subprocess.Popen[bytes]:
                     "max_connections -1\nmax_queued_messages 0\nmax_queued_bytes 0\nmax_inflight_messages 0\n"
                     "sys_interval 1\nlog_type error\nlog_type warning\n"
                     f"log_dest file {directory / 'mosquitto.log'}\n")
+    return start_broker(conf, port)
+
+
+def start_broker(conf: Path, port: int) -> subprocess.Popen[bytes]:
+    """Mosquitto with the configuration file `conf`, once it listens on loopback `port`."""
     proc = subprocess.Popen([shutil.which("mosquitto") or "/usr/sbin/mosquitto", "-c", str(conf)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10

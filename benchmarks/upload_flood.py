@@ -30,8 +30,6 @@ import multiprocessing as mp
 import os
 import random
 import re
-import shutil
-import socket
 import struct
 import subprocess
 import sys
@@ -41,6 +39,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import fleet_scale
 import numpy as np
 from common import main, table, write_json
 from fleet_scale import MiniMqtt, cpu_seconds, exited, filled, manifest_of
@@ -66,17 +65,7 @@ def start_mosquitto(directory: Path, port: int) -> subprocess.Popen[bytes]:
     logging = f"log_type error\nlog_type warning\nlog_dest file {directory / 'broker.log'}\n"
     conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n{user}"
                     + "\n".join(shipped) + "\n" + logging)
-    proc = subprocess.Popen([shutil.which("mosquitto") or "/usr/sbin/mosquitto", "-c", str(conf)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"mosquitto did not listen on {port}")
+    return fleet_scale.start_broker(conf, port)
 
 
 # ------------------------------------------------------------ the honest devices (one process, asyncio)
