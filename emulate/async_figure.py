@@ -23,6 +23,7 @@ from fedper.data import DataError
 from fedper.emulate.async_fleet import ClockConfig, ClockRunConfig, run_clocked
 from fedper.emulate.data import PAPER_BATCH, PAPER_CLIENTS, DataConfig
 from fedper.emulate.experiment import CONFIG, METRICS, STATE, SUMMARY
+from fedper.emulate.figures import DATASET_NAMES, chance_legend, draw_chance, integer_rounds, run_data_info
 from fedper.emulate.fleet import FleetConfig
 
 CURVES = (("sync", "fedper", "FedPer, synchronous"), ("async", "fedper", "FedPer, asynchronous (FedBuff)"),
@@ -73,9 +74,10 @@ def make_async_figure(*, out: str | Path, scale: float, data: str | Path | None,
             for future in [pool.submit(run_clocked, c, d, resume=r, show_progress=False) for c, d, r in pending]:
                 future.result()
     png = out / "async.png"
-    source = Path(data).name if data and chosen in ("npz", "imagefolder") else chosen
-    _draw([(label, _history(run_dir)) for (_, _, label), run_dir in zip(CURVES, run_dirs, strict=True)], png, source,
-          replace(clock, mode="async"))
+    runs = [(label, _history(run_dir), run_data_info(run_dir)) for (_, _, label), run_dir in zip(CURVES, run_dirs,
+                                                                                             strict=True)]
+    named = next((info["name"] for _, _, info in runs if info.get("name")), DATASET_NAMES.get(chosen, chosen))
+    _draw(runs, png, named, replace(clock, mode="async"))
     return png
 
 
@@ -106,24 +108,27 @@ def _history(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines() if line.strip()]
 
 
-def _draw(runs: list[tuple[str, list[dict]]], png: Path, dataset: str, clock: ClockConfig) -> None:
+def _draw(runs: list[tuple[str, list[dict], dict]], png: Path, dataset: str, clock: ClockConfig) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (by_time, by_uploads) = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
-    for label, history in runs:
+    for label, history, info in runs:
         accuracy = [m["mean_accuracy"] for m in history]
         (line,) = by_time.plot([m["time_s"] / 60 for m in history], accuracy, label=label)
         by_uploads.plot([m["uploads"] for m in history], accuracy, color=line.get_color(), label=label)
+        for ax in (by_time, by_uploads):
+            draw_chance(ax, info.get("chance_accuracy"), line.get_color())
+    integer_rounds(by_uploads)  # uploads are counted, not measured
     by_time.set_xlabel("simulated time (minutes)")
     by_uploads.set_xlabel(f"uploads (async: K = {clock.buffer_size}, concurrency {clock.concurrency or 'all'}, "
                           f"max staleness {clock.max_staleness})")
     by_time.set_ylabel("mean personalized accuracy")
     for ax in (by_time, by_uploads):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        chance_legend(ax, any("chance_accuracy" in info for _, _, info in runs))
     trace = Path(clock.trace).name if clock.trace else "the synthetic trace"
     fig.suptitle(f"Synchronous and asynchronous FedPer on {trace} [{dataset}]", fontsize=11)
     fig.tight_layout()

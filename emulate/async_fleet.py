@@ -46,8 +46,9 @@ from fedper.buffered import Buffer, BufferConfig, Refused, Release, Staleness, b
 from fedper.emulate.clock import Device, fleet_from_trace, load_trace
 from fedper.emulate.data import DataConfig, FleetData, load_fleet_data
 from fedper.emulate.distributed import combine
-from fedper.emulate.experiment import CONFIG, METRICS, STATE, SUMMARY, RunError
+from fedper.emulate.experiment import CONFIG, DATA, METRICS, STATE, SUMMARY, RunError, describe_data
 from fedper.emulate.fleet import Fleet, FleetConfig, FleetState, resolve_device
+from fedper.emulate.progress import Board
 from fedper.selection import invitations, select
 
 MODES = ("sync", "async")
@@ -364,20 +365,20 @@ def run_clocked(config: ClockRunConfig, out: str | Path, *, resume: bool = False
     checkpoint.atomic_write(out / CONFIG, config.to_json().encode())
     with (out / METRICS).open("w") as f:
         f.writelines(json.dumps(m) + "\n" for m in history)
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-    label = f"{config.clock.mode} {config.fleet.algorithm}"
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("uploads"),
-                  TextColumn("mean acc {task.fields[acc]:.3f}"), disable=not show_progress) as progress:
-        task = progress.add_task(label, total=config.clock.uploads, completed=min(state.uploads, config.clock.uploads),
-                                 acc=history[-1]["mean_accuracy"] if history else 0.0)
-        while state.uploads < config.clock.uploads:
+    checkpoint.write_json(out / DATA, describe_data(clocked.fleet), indent=2)  # the figure's name and chance line
+    budget, key = config.clock.uploads, str(out)
+    with Board(show_progress) as board:  # bars in a terminal, a line a release elsewhere
+        board.report({"event": "start", "run": key, "label": f"{config.clock.mode} {config.fleet.algorithm}",
+                      "rounds": budget, "done": min(state.uploads, budget), "unit": "upload"})
+        while state.uploads < budget:
             metrics = clocked.release(state)
             with (out / METRICS).open("a") as f:
                 f.write(json.dumps(metrics) + "\n")
             save_state(state, out / STATE)
             history.append(metrics)
-            progress.update(task, completed=min(state.uploads, config.clock.uploads), acc=metrics["mean_accuracy"])
+            board.report({"event": "round", "run": key, "round": min(state.uploads, budget),
+                          "accuracy": metrics["mean_accuracy"], "wall_s": metrics["wall_s"]})
+        board.report({"event": "end", "run": key})
     last = history[-1] if history else {}
     summary = {"mode": config.clock.mode, "algorithm": config.fleet.algorithm, "kp": config.fleet.kp,
                "clients": len(clocked.devices), "releases": state.version, "uploads": state.uploads,

@@ -265,7 +265,7 @@ def make_figure(
             print(f"{run_dir}: its settings differ from this command's, so it starts over", file=sys.stderr)
             shutil.rmtree(run_dir)
     _run_all(pending, jobs, show_progress)
-    runs = _over_seeds([(curve, _history(run_dir), _data_info(run_dir))
+    runs = _over_seeds([(curve, _history(run_dir), run_data_info(run_dir))
                         for (_, curve), run_dir in zip(curves, run_dirs, strict=True)], spec.seeds)
     png = out.parent / (f"{name}-s{base_data.shards}.png" if base_data.partition == "shards" else f"{name}.png")
     named = next((info["name"] for _, _, info in runs if info.get("name")), DATASET_NAMES.get(chosen, chosen))
@@ -397,7 +397,7 @@ def _history(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines() if line.strip()]
 
 
-def _data_info(run_dir: Path) -> dict:
+def run_data_info(run_dir: Path) -> dict:
     """The run's data.json ({} for a run written before it existed: no chance line then)."""
     path = run_dir / DATA
     return json.loads(path.read_text()) if path.is_file() else {}

@@ -18,7 +18,8 @@ from typing import Any, TextIO
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 
-# {"event": "start", "run": key, "label": text, "rounds": R, "done": rounds already done}
+# {"event": "start", "run": key, "label": text, "rounds": R, "done": rounds already done, "unit": "round" (optional:
+#  what R counts, e.g. "upload" for a clocked run, which releases a version every few uploads)}
 # {"event": "step", "run": key, "steps": done in the round, "of": steps in the round}
 # {"event": "round", "run": key, "round": r, "rounds": R, "accuracy": mean or None, "wall_s": seconds}
 # {"event": "end", "run": key}
@@ -40,6 +41,7 @@ class _Run:
     label: str
     rounds: int
     done: int
+    unit: str = "round"
     task: TaskID | None = None
     round_started: float = field(default_factory=time.monotonic)
     walls: list[float] = field(default_factory=list)
@@ -73,12 +75,12 @@ class Board:
             return
         kind, key = event["event"], event["run"]
         if kind == "start":
-            run = self.runs[key] = _Run(event["label"], event["rounds"], event["done"])
+            run = self.runs[key] = _Run(event["label"], event["rounds"], event["done"], event.get("unit", "round"))
             run.task = self.bars.add_task(run.label, total=run.rounds, completed=run.done,
-                                          where=f"round {run.done}/{run.rounds}", acc="")
+                                          where=f"{run.unit} {run.done}/{run.rounds}", acc="")
             if not self.tty:
-                self._line(run, f"started at round {run.done}/{run.rounds}" if run.done else
-                           f"started, {run.rounds} round{'s' if run.rounds != 1 else ''}")
+                self._line(run, f"started at {run.unit} {run.done}/{run.rounds}" if run.done else
+                           f"started, {run.rounds} {run.unit}{'s' if run.rounds != 1 else ''}")
             return
         run = self.runs[key]
         assert run.task is not None
@@ -92,16 +94,17 @@ class Board:
                 self._line(run, f"round {run.done + 1}/{run.rounds}: step {steps}/{of}; "
                                 f"about {duration(left)} left in this round")
         elif kind == "round":
+            units = max(1, event["round"] - run.done)  # a clocked run's release covers several uploads
             run.done, run.rounds = event["round"], event.get("rounds", run.rounds)
-            run.walls.append(event["wall_s"])
+            run.walls.append(event["wall_s"] / units)  # seconds per unit
             run.round_started = time.monotonic()
             accuracy = event.get("accuracy")
             acc = "" if accuracy is None else f"mean acc {accuracy:.3f}"
-            self.bars.update(run.task, completed=run.done, total=run.rounds, where=f"round {run.done}/{run.rounds}",
-                             acc=acc)
+            self.bars.update(run.task, completed=run.done, total=run.rounds,
+                             where=f"{run.unit} {run.done}/{run.rounds}", acc=acc)
             if not self.tty:
                 left = statistics.fmean(run.walls[-5:]) * (run.rounds - run.done)  # the recent pace
-                self._line(run, f"round {run.done}/{run.rounds}{', ' + acc if acc else ''} "
+                self._line(run, f"{run.unit} {run.done}/{run.rounds}{', ' + acc if acc else ''} "
                                 f"({event['wall_s']:.1f} s){f'; about {duration(left)} left' if left else ''}")
         elif kind == "end":
             self.bars.update(run.task, completed=run.rounds)

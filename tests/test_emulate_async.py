@@ -7,6 +7,7 @@ devices train and what the clock says, not accuracy."""
 from __future__ import annotations
 
 import json
+import re
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -162,14 +163,19 @@ def test_figure_async_on_digits(tmp_path) -> None:
     args = ["figure", "async", "--dataset", "digits", "--clients", "3", "--rounds", "2", "--width", "0.25",
             "--input-size", "16", "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05", "--momentum", "0.9",
             "--scale", "0.5", "--buffer-size", "2", "--trace", _trace(tmp_path, [FAST, MEDIUM, SLOW]),
-            "--out", str(tmp_path / "figures"), "--no-progress"]
+            "--out", str(tmp_path / "figures")]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
+    # no terminal: a line a release, counted in uploads of the curve's budget
+    assert re.search(r"^async fedper: upload \d+/3, mean acc \d\.\d{3} \(", result.output, re.M), result.output
     png = tmp_path / "figures" / "async.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     runs = (tmp_path / "figures" / "async").iterdir()
     summaries = {d.name: json.loads((d / "summary.json").read_text()) for d in runs}
     assert sorted(summaries) == ["00-sync-fedper", "01-async-fedper", "02-sync-fedavg"]
+    for run in (tmp_path / "figures" / "async").iterdir():  # what the figure draws as name and chance line
+        info = json.loads((run / "data.json").read_text())
+        assert info["name"].startswith("digits") and 0.1 <= info["chance_accuracy"] <= 1
     assert all(s["uploads"] >= 3 for s in summaries.values())  # the budget: 2 rounds x 0.5 x 3 clients
     assert summaries["01-async-fedper"]["time_s"] < summaries["00-sync-fedper"]["time_s"]
     again = CliRunner().invoke(app, args)
