@@ -7,8 +7,8 @@ devices train and what the clock says, not accuracy."""
 from __future__ import annotations
 
 import json
-import re
 import math
+import re
 from dataclasses import replace
 from pathlib import Path
 
