@@ -43,6 +43,7 @@ import fleet_scale
 import numpy as np
 from common import main, table, write_json
 from fleet_scale import MiniMqtt, cpu_seconds, exited, filled, manifest_of
+from helpers.toy_export import write_toy_export  # fleet_scale put tests/ on the path: the tests' toy export
 
 from fedper.payload import encode_shared
 from fedper.ports import free_port
@@ -192,10 +193,8 @@ def run_phase(rate: float, rounds: int, round_timeout: float, directory: Path, *
     directory.mkdir(parents=True)
     manifest = manifest_of(FLOATS)
     artifacts, state_dir = directory / "export", directory / "state"
-    artifacts.mkdir()
-    manifest.save(artifacts)
+    write_toy_export(artifacts, manifest, filled(manifest, 0.0))  # the coordinator verifies its export at start
     blob = encode_shared(manifest, filled(manifest, 0.0))
-    (artifacts / "base.safetensors").write_bytes(blob)
     port = free_port()
     broker = start_mosquitto(directory, port)
     context = mp.get_context("fork")
