@@ -152,3 +152,16 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
     yield mount
     subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread for a module's in-process emulator runs, as figure --jobs gives each run: on a 2-core
+    machine that other work shares, two threads that wait for each other made these runs 8x slower. A module
+    asks for it with pytestmark = pytest.mark.usefixtures("one_torch_thread")."""
+    import torch  # not every test session needs it
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,14 +23,7 @@ TINY = ["--dataset", "digits", "--clients", "2", "--classes-per-client", "2", "-
         "--local-epochs", "1", "--batch-size", "16", "--scale", "0.2", "--device", "cpu"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """One torch thread, as figure --jobs gives each run: on a 2-core machine that other work shares, two
-    threads that wait for each other made these runs 8x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 @pytest.mark.parametrize("option", ["--rounds", "--clients", "--local-epochs", "--batch-size", "--classes-per-client"])

@@ -4,12 +4,10 @@ coordinator state dirs on one figure, with each emulated run's chance line."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from fedper.cli import app
@@ -18,15 +16,7 @@ from fedper.emulate.data import DataConfig
 from fedper.emulate.experiment import RunConfig, run_experiment
 from fedper.emulate.fleet import FleetConfig
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """One torch thread, as figure --jobs gives each run: on a 2-core machine that other work shares, two
-    threads that wait for each other made these runs 8x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")
