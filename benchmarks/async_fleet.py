@@ -344,14 +344,7 @@ def run_scale(size: int, versions: int, directory: Path, floats: int = 100_000, 
              "--max-staleness", "20", "--round-timeout", "120", "--chunk-size", str(63 * 1024), "--state-dir",
              str(state_dir)], stdout=log, stderr=subprocess.STDOUT)
         seen = asyncio.run(fleet_scale._monitor(central, coordinator, size, timeout))
-        if not fleet_scale.exited(coordinator.pid):
-            coordinator.kill()
-        _, status, usage = os.wait4(coordinator.pid, 0)
-        coordinator.returncode = os.waitstatus_to_exitcode(status)
-        log.close()
-        if coordinator.returncode != 0:
-            raise RuntimeError(f"coordinator exited {coordinator.returncode}: "
-                               f"{(directory / 'coordinator.log').read_text()[-2000:]}")
+        usage = fleet_scale.reap(coordinator, log, directory)
         broker_rss = [round(fleet_scale.rss_mib(b.pid), 1) for b in brokers]
         stop.set()
         reports = [results.get(timeout=120) for _ in procs]

@@ -44,7 +44,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 from common import main, table, write_json
@@ -336,6 +336,20 @@ def start_mosquitto(directory: Path, port: int) -> subprocess.Popen[bytes]:
     return start_broker(conf, port)
 
 
+def reap(coordinator: subprocess.Popen[bytes], log: IO[bytes], directory: Path) -> Any:
+    """Wait for the coordinator (killed if the monitor gave up on it) and return its resource usage (wait4:
+    its peak RSS); RuntimeError with its log's end if it failed."""
+    if not exited(coordinator.pid):
+        coordinator.kill()  # past the monitor's timeout: the exit status says so
+    _, status, usage = os.wait4(coordinator.pid, 0)
+    coordinator.returncode = os.waitstatus_to_exitcode(status)
+    log.close()
+    if coordinator.returncode != 0:
+        raise RuntimeError(f"coordinator exited {coordinator.returncode}: "
+                           f"{(directory / 'coordinator.log').read_text()[-2000:]}")
+    return usage
+
+
 def start_broker(conf: Path, port: int) -> subprocess.Popen[bytes]:
     """Mosquitto with the configuration file `conf`, once it listens on loopback `port`."""
     proc = subprocess.Popen([shutil.which("mosquitto") or "/usr/sbin/mosquitto", "-c", str(conf)],
@@ -453,14 +467,7 @@ def run_fleet(size: int, rounds: int, *, floats: int, workers: int, round_timeou
             stdout=log, stderr=subprocess.STDOUT)
         launched = time.time()
         seen = asyncio.run(_monitor(port, coordinator, size, timeout))
-        if not exited(coordinator.pid):
-            coordinator.kill()  # past `timeout`: wait4 below reaps it and the exit status says so
-        _, status, usage = os.wait4(coordinator.pid, 0)
-        coordinator.returncode = os.waitstatus_to_exitcode(status)
-        log.close()
-        if coordinator.returncode != 0:
-            raise RuntimeError(f"coordinator exited {coordinator.returncode}: "
-                               f"{(directory / 'coordinator.log').read_text()[-2000:]}")
+        usage = reap(coordinator, log, directory)
         broker_rss = rss_mib(broker.pid)
         stop.set()
         reports = [results.get(timeout=60) for _ in procs]
