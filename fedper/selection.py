@@ -83,9 +83,10 @@ class Ranking:
     coordinator tops up twice a second). A device is ranked with the key of the round current when it
     enters; `take` removes the devices it returns or finds no longer candidates, which enter again (with the
     then current round's key) once they are candidates and not ranked. So with `clear` at every round's
-    opening, `rank` then `take` returns exactly what `select` would; without it (asynchronous rounds, whose
-    versions are rounds), a device keeps its key until it is invited, then draws a fresh one when it comes
-    back: every version's choice is still a seeded random order, at a cost that does not grow with the fleet."""
+    opening, `take` returns exactly what `select` would; without it (asynchronous rounds, whose versions are
+    rounds), a device keeps its key until it is invited, then draws a fresh one when it comes back: every
+    version's choice is still a seeded random order, with keys drawn only for the devices new to the ranking
+    (finding them is still a set difference over the candidates, O(N), but no hash per device)."""
 
     def __init__(self, seed: int) -> None:
         self.seed = seed

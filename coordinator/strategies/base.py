@@ -51,6 +51,8 @@ class Strategy:
     answers: ClassVar[str] = "update(s)"  # what `answered` counts, for the log
     quorum: ClassVar[int] = 1  # fewest answers a round may close with (the engine also applies --min-clients)
     private = False  # its checkpoint holds a privacy part (a run may not switch mode)
+    rerank_each_round = True  # a round's selection ranks every device anew (False: fedper.selection.Ranking's
+    # devices keep their keys until invited, so that a version released every few updates costs no key a device)
 
     def __init__(self, manifest: Manifest, store: Store, topics: Topics, fleet: Fleet) -> None:
         self.manifest, self.store, self.topics, self.fleet = manifest, store, topics, fleet
@@ -78,9 +80,6 @@ class Strategy:
     def on_message(self, device: str, kind: str, payload: bytes, now: float) -> list[Outgoing]:
         """A message on one of the strategy's own topic kinds (beyond the engine's)."""
         raise WireError(kind, f"this coordinator takes no {kind} messages")
-
-    rerank_each_round = True  # a round's selection ranks every device anew (False: fedper.selection.Ranking's
-    # devices keep their keys until invited, so that a version released every few updates costs no key a device)
 
     def oldest_round(self, number: int) -> int:
         """The oldest round whose updates `check` takes while round `number` is open: an invitation to an
