@@ -182,6 +182,7 @@ class Coordinator:
             self._backoff_file = saved.backoff
         self.finished = saved.finished
         self.round = saved.round
+        self.store.trim_metrics(self.round.number if self.finished else self.round.number - 1)  # closed rounds'
         if not self.selecting:  # the open round keeps its invitations only when still selecting
             self.round.selected, self.round.invited, self.round.invite_cap = False, set(), 0
             self.round.carried = {}
@@ -631,8 +632,8 @@ class Coordinator:
         self._drop_uploads()
         if self.finished:
             self.store.write_tensors(FINAL_FILE, self.model)
+        self.store.append_metrics(record)  # before the commit that closes the round: a restart trims it if need be
         self._commit(registry=True)  # once a round, registrations changed since the last tick go with it
-        self.store.append_metrics(record)
         mean, std = record["accuracy_mean"], record["accuracy_std"]
         log.info("round %d closed: %d participant(s), %d samples, %.1f KiB received; the devices' accuracy of round "
                  "%d's model (its base with each one's head, on its test split): %s", closed.number,

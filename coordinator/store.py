@@ -207,6 +207,23 @@ class Store:
     def read_bytes(self, name: str) -> bytes:
         return (self.dir / name).read_bytes()
 
+    def trim_metrics(self, last_round: int) -> None:
+        """Keep the records of rounds up to `last_round` (those state.json says are closed): a round's record is
+        appended before the commit that closes it, so a kill in between leaves one the restart closes again."""
+        path = self.dir / METRICS_FILE
+        if not path.exists():
+            return
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["round"] <= last_round:
+                    kept.append(line + "\n")
+            except (ValueError, KeyError, TypeError):
+                continue  # a line torn by a kill mid-write
+        data = "".join(kept).encode()
+        if data != path.read_bytes():
+            checkpoint.atomic_write(path, data)
+
     def append_metrics(self, record: dict[str, Any]) -> None:
         try:
             with open(self.dir / METRICS_FILE, "a") as f:
