@@ -10,11 +10,12 @@ mode. docs/architecture.md draws the parts, docs/reliability.md what a restart k
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Set
 from typing import Any
 
 import numpy as np
@@ -86,10 +87,13 @@ class Coordinator:
         self.digest = manifest.base_digest
         self.model = decode_shared(manifest, encode_shared(manifest, initial))  # validated copy
         self.registered: dict[str, Registration] = {}
+        self._median: tuple[int, float | None] = (-1, None)  # (registrations it counts, median n_samples)
+        self._registrations = 0  # changes to `registered` in this process: when _median is out of date
         self.counters: Counter[str] = Counter()
         self.round = RoundRecord(1)
         self.finished = False
         self.online: set[str] = set()
+        self._available: set[str] = set()  # online and registered, kept from those messages (no O(fleet) pass)
         self.fold_seconds = 0.0  # spent folding and checkpointing accepted updates in this process (monitoring)
         self.bytes_sent = 0  # payload bytes the service published for this process (monitoring)
         self._reassembler, self._rate = self._quotas(config.quotas, config.rounds.chunk_size,
@@ -139,7 +143,15 @@ class Coordinator:
         or invited), sampled without replacement (docs/privacy.md); else 1."""
         if not self.selecting:
             return 1.0
-        return min(1.0, max(len(closed.invited), 1) / max(len(self._eligible() | closed.invited), 1))
+        return min(1.0, max(len(closed.invited), 1) / max(self._drawn_from(closed.invited), 1))
+
+    def median_samples(self) -> float | None:
+        """The registered devices' median n_samples (None: nobody registered), recomputed only once a
+        registration changed: a weight cap per asynchronous version must not cost a pass over the fleet."""
+        if self._median[0] != self._registrations:
+            counts = [entry.n_samples for entry in self.registered.values()]
+            self._median = (self._registrations, float(np.median(counts)) if counts else None)
+        return self._median[1]
 
     # ------------------------------------------------------------ life cycle
 
@@ -326,9 +338,11 @@ class Coordinator:
 
     def _on_register(self, device: str, payload: bytes, now: float) -> list[Outgoing]:
         if not payload:  # the device cleared its retained registration: it left the fleet
+            self._available.discard(device)
             if self.registered.pop(device, None) is not None:
                 self._log.log(now, device, "unregistered", logging.INFO, "unregistered %s", device)
                 self._registry_dirty = self._state_dirty = True
+                self._registrations += 1
                 self._backoff_dirty |= self.backoff.answered(device)  # forgotten with it
             return []
         msg = Register.decode(payload)  # every field checked: n_samples an integer in 1..2**53-1
@@ -344,13 +358,22 @@ class Coordinator:
                           msg.n_samples, msg.software)
             self.registered[device] = entry
             self._registry_dirty = self._state_dirty = True
+            self._registrations += 1
+        if device in self.online:
+            self._make_available(device)
         return []
 
     def _on_presence(self, device: str, payload: bytes, now: float) -> None:
         status = bytes(payload)
         if status not in (b"online", b"offline", b""):  # b"": the retained presence cleared
             raise WireError("bad_message", f"presence must be online or offline, got {len(status)} other bytes")
-        (self.online.add if status == b"online" else self.online.discard)(device)
+        if status == b"online":
+            self.online.add(device)
+            if device in self.registered:
+                self._make_available(device)
+        else:
+            self.online.discard(device)
+            self._available.discard(device)
         self._state_dirty = True
         if status != b"online" and device in self.round.invited and self.strategy.collecting and \
                 device not in self.strategy.answered(self.round.folded.keys()):
@@ -538,22 +561,40 @@ class Coordinator:
 
     # ------------------------------------------------------------ selection (--clients-per-round)
 
-    def _select(self, now: float, carried: Mapping[str, int] | None = None) -> None:
-        """The opening selection of the (new) open round, among the eligible devices (registered, online, not
-        sitting out a backoff), beside the invitations `carried` from earlier rounds; the caller checkpoints it.
-        Fewer than ceil(F * M) of them: _top_up invites more as they come online or as invitations lapse."""
+    def _select(self, now: float, carried: Mapping[str, int] | None = None, released: Iterable[str] = ()) -> None:
+        """The opening selection of the (new) open round, among the eligible devices (`_eligible`), beside the
+        invitations `carried` from earlier rounds; `released`: the earlier round's invitations that end with
+        it. The caller checkpoints it. Fewer than ceil(F * M) of them: _top_up invites more as they come online
+        or as invitations lapse."""
         r = self.round
         r.selected, r.invite_cap, r.seed, r.carried = True, self._invitations, self._seed, dict(carried or {})
         room = max(0, r.invite_cap - len(self.strategy.places(r.carried.keys(), set())))
-        if self.strategy.rerank_each_round:
-            self._ranking.clear()  # every device is ranked with this round's key: select()'s rule
-        r.invited = set(r.carried) | set(self._ranking.take(room, self._eligible() - r.carried.keys(), r.number))
+        r.invited = set(r.carried)
+        if self.strategy.rerank_each_round:  # every device is ranked with this round's key: select()'s rule
+            self._ranking.clear()
+            self._ranking.offer(self._available, r.number)
+        else:  # the ranking knows the rest: candidates again are those released and those whose sit-out may end
+            self._ranking.offer(itertools.chain(released, self.backoff.misses), r.number)
+        r.invited |= set(self._ranking.take(room, self._eligible))
         self._invited_at = dict.fromkeys(r.invited, now)
         log.info("round %d: invited %d of %d device(s) online", r.number, len(r.invited), len(self.online))
 
-    def _eligible(self) -> set[str]:
-        eligible = self.online & self.registered.keys()
-        return eligible - self.backoff.sitting_out(self.round.number) if self.backoff.misses else eligible
+    def _eligible(self, device: str) -> bool:
+        """Whether the open round may invite the device: registered, online, not invited, not sitting out."""
+        return device in self._available and device not in self.round.invited and \
+            not self.backoff.sits_out(device, self.round.number)
+
+    def _make_available(self, device: str) -> None:
+        self._available.add(device)
+        if self.selecting:
+            self._ranking.offer((device,), self.round.number)
+
+    def _drawn_from(self, invited: Set[str]) -> int:
+        """How many devices `invited` was drawn from: eligible now (registered, online, not sitting out) or
+        invited; counted in O(invited + devices backed off), not O(fleet)."""
+        sitting = self.backoff.sitting_out(self.round.number)
+        eligible = len(self._available) - sum(1 for device in sitting if device in self._available)
+        return eligible + sum(1 for device in invited if device not in self._available or device in sitting)
 
     def _note_answer(self, device: str) -> None:
         """The device sent something valid for the open round: it is alive, and its backoff is over."""
@@ -588,7 +629,7 @@ class Coordinator:
         room = r.invite_cap - len(self.strategy.places(r.invited - self._lapsed, r.folded.keys()))
         if room <= 0:
             return []
-        chosen = self._ranking.take(room, self._eligible() - r.invited, r.number)
+        chosen = self._ranking.take(room, self._eligible)
         if not chosen:
             return []
         r.invited.update(chosen)
@@ -624,7 +665,8 @@ class Coordinator:
         self.round = RoundRecord(closed.number if self.finished else closed.number + 1)
         self._answered, self._lapsed = set(), set()
         if self.selecting and not self.finished:
-            self._select(now, self._carried(closed))
+            carried = self._carried(closed)
+            self._select(now, carried, closed.invited - carried.keys())
         self._rejected.clear()
         self._new_attempt()
         self._model_file = self.store.write_tensors(f"model-r{closed.number + 1}.safetensors", self.model)

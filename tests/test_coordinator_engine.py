@@ -542,7 +542,8 @@ def test_round_info_and_invitations_stay_small_at_10000_devices(tmp_path: Path) 
         devices = [f"device-{i:05d}" for i in range(n)]
         for device in devices:
             c.registered[device] = Registration(10, "test/1")  # 10,000 JSON registrations: a few seconds more
-        c.online.update(devices)
+        for device in devices:  # each says online on its presence topic
+            assert c.handle(TOPICS.presence(device), b"online", 0.0) == []
         out = c.start(0.0)
         invitations = [m for m in out if "/invite/" in m.topic]
         assert len(invitations) == 130 and len(out) == len(invitations) + model_chunks(out) + 2  # + RoundInfo, state

@@ -194,37 +194,56 @@ def test_a_live_coordinator_invites_over_mosquitto_and_clears_its_invitations(mo
 
 
 def test_a_kept_ranking_takes_what_select_takes_as_candidates_come_and_go() -> None:
-    """Within a round (cleared at its opening) Ranking.take is select() over the candidates of the moment,
-    whatever came online, went offline or was invited in between."""
+    """Within a round (cleared and offered every candidate at its opening, then told of each device that
+    comes online) Ranking.take is select() over the candidates of the moment, whatever came online, went
+    offline or was invited in between."""
     rng = random.Random(7)
-    seed, ranking = new_seed(), None
+    seed = new_seed()
+    ranking = Ranking(seed)
     fleet = [f"dev-{i}" for i in range(300)]
     for round_ in range(1, 6):
-        ranking = ranking or Ranking(seed)
         ranking.clear()
         online, invited = set(rng.sample(fleet, 150)), set()
+        ranking.offer(online, round_)
         for _ in range(20):
-            online ^= set(rng.sample(fleet, 20))  # some come online, some go
+            flipped = set(rng.sample(fleet, 20))  # some come online, some go
+            ranking.offer(flipped - online, round_)
+            online ^= flipped
             candidates = online - invited
             k = rng.randint(0, 12)
             expected = select(candidates, k, seed=seed, round_=round_)
-            assert ranking.take(k, candidates, round_) == expected
+            assert ranking.take(k, candidates.__contains__) == expected
             invited |= set(expected)
 
 
-def test_a_kept_ranking_draws_keys_only_for_devices_new_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_kept_ranking_draws_keys_only_for_devices_offered_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """The cost that made a selecting coordinator's work grow with the fleet: select() drew a key for each of
-    20,000 candidates at every top-up; the kept ranking draws one per device new to it."""
-    drawn = []
+    20,000 candidates at every top-up, and finding the candidates new to a kept ranking was still a pass
+    over them all; the ranking told of changes draws one key per device offered and looks at no other."""
+    drawn, asked = [], []
     real = selection.selection_key
     monkeypatch.setattr(selection, "selection_key", lambda *args: drawn.append(args) or real(*args))
     candidates = {f"dev-{i}" for i in range(20_000)}
     ranking = Ranking(new_seed())
-    first = ranking.take(10, candidates, 1)
+    ranking.offer(candidates, 1)
+    first = ranking.take(10, candidates.__contains__)
     assert len(drawn) == 20_000 and len(first) == 10
     drawn.clear()
-    later = ranking.take(10, candidates - set(first) | {"late-1", "late-2"}, 2)
-    assert len(drawn) == 2 and not set(later) & set(first)  # the two newcomers only
+    candidates = candidates - set(first) | {"late-1", "late-2"}
+    ranking.offer(["late-1", "late-2", next(iter(candidates))], 2)  # one already ranked keeps its key
+    later = ranking.take(10, lambda device: asked.append(device) or device in candidates)
+    assert len(drawn) == 2 and not set(later) & set(first) and len(asked) < 100  # the two newcomers only
     drawn.clear()
-    ranking.take(1, candidates, 3)  # the twenty taken are candidates again: they enter anew, with round 3's key
+    ranking.offer(first + later, 3)  # the twenty taken are candidates again: they enter anew, with round 3's key
     assert sorted(args[2] for args in drawn) == sorted(first + later) and {args[1] for args in drawn} == {3}
+
+
+def test_a_device_popped_while_not_a_candidate_comes_back_only_when_offered() -> None:
+    """take drops what is no longer a candidate (offline, invited, sitting out); the coordinator offers it
+    again when that ends, and only then can it be taken."""
+    ranking = Ranking(new_seed())
+    ranking.offer(["a", "b", "c"], 1)
+    assert sorted(ranking.take(3, {"a", "b"}.__contains__)) == ["a", "b"]  # c was offline: dropped
+    assert ranking.take(3, {"c"}.__contains__) == []
+    ranking.offer(["c"], 2)  # c came online again
+    assert ranking.take(3, {"c"}.__contains__) == ["c"]

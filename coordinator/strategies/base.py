@@ -7,6 +7,7 @@ the engine or the service (tests/test_architecture.py).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Set
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
@@ -29,6 +30,15 @@ class Fleet(Protocol):
 
     def invited_fraction(self, closed: RoundRecord) -> float:
         """The share of the registered fleet that `closed` invited (1 without --clients-per-round)."""
+
+    def median_samples(self) -> float | None:
+        """The registered devices' median n_samples (None: nobody registered)."""
+
+
+def weight_cap(fleet: Fleet, max_weight_ratio: float) -> float:
+    """--max-weight-ratio c: a device weighs at most c x the registered devices' median n_samples (inf: no cap)."""
+    median = fleet.median_samples()
+    return max_weight_ratio * median if math.isfinite(max_weight_ratio) and median is not None else math.inf
 
 
 @dataclass(frozen=True)

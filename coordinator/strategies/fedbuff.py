@@ -29,7 +29,7 @@ import numpy as np
 from fedper.buffered import Buffer, BufferConfig, Refused, Release, base_delta
 from fedper.coordinator.store import RoundRecord, Store
 from fedper.coordinator.strategies import base
-from fedper.coordinator.strategies.base import Fleet, Strategy
+from fedper.coordinator.strategies.base import Fleet, Strategy, weight_cap
 from fedper.coordinator.strategies.budget import PrivacyBudget
 from fedper.coordinator.strategies.mean import PARTIAL_EVERY
 from fedper.manifest import Manifest
@@ -139,9 +139,7 @@ class FedBuff(Strategy):
         if self.budget is not None:
             return 1.0
         if self.weight_cap is None:
-            counts = [entry.n_samples for entry in self.fleet.registered.values()]
-            finite = math.isfinite(self.max_weight_ratio) and counts
-            self.weight_cap = self.max_weight_ratio * float(np.median(counts)) if finite else math.inf
+            self.weight_cap = weight_cap(self.fleet, self.max_weight_ratio)
         return min(n_samples, self.weight_cap)
 
     def _noised(self, release: Release) -> Release:

@@ -22,7 +22,7 @@ import numpy as np
 
 from fedper.aggregation import CoordinateMedian, TrimmedMean, WeightedMean, clip_update
 from fedper.coordinator.store import RoundRecord, Store
-from fedper.coordinator.strategies.base import Fleet, Release, Strategy
+from fedper.coordinator.strategies.base import Fleet, Release, Strategy, weight_cap
 from fedper.manifest import Manifest
 from fedper.payload import decode_shared
 from fedper.wire import SECAGG_CODEC, Outgoing, Topics, UpdateMeta, WireError
@@ -82,9 +82,7 @@ class Mean(Strategy):
     def _weight(self, n_samples: int) -> float:
         """The device's weight in the fold: n_j, at most the round's cap (set here, at the first fold)."""
         if self.weight_cap is None:
-            counts = [entry.n_samples for entry in self.fleet.registered.values()]
-            finite = math.isfinite(self.max_weight_ratio) and counts
-            self.weight_cap = self.max_weight_ratio * float(np.median(counts)) if finite else math.inf
+            self.weight_cap = weight_cap(self.fleet, self.max_weight_ratio)
         return min(n_samples, self.weight_cap)
 
     def _prepared(self, tensors: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
