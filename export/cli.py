@@ -117,3 +117,7 @@ def verify(directory: Path = typer.Argument(..., help="An export directory (hold
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()

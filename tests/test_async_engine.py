@@ -18,6 +18,7 @@ from safetensors.numpy import load_file
 from scipy.stats import norm
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
+from fedper import selection
 from fedper.coordinator.engine import Config, Coordinator
 from fedper.coordinator.store import FINAL_FILE, METRICS_FILE, Store
 from fedper.coordinator.strategies.mean import PARTIAL_EVERY
@@ -183,6 +184,65 @@ def test_m_devices_keep_training_across_releases_each_on_its_own_version(tmp_pat
     assert records(tmp_path)[-1]["buffer"]["staleness"] == [1]
     assert slow not in invitations(c.announce(2.0)) or invitations(c.announce(2.0))[slow] == 3
     assert len(c.round.invited) == 2  # two devices training at once, again
+
+
+def test_a_version_costs_no_pass_over_the_online_fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The coordinator's work per folded update must not grow with the fleet: after the devices joined, a
+    version draws selection keys for the devices it released only and asks about as few devices whether
+    they may be invited, the same at 300 and at 3,000 online devices."""
+    drawn, asked = [], []
+    real_key, real_eligible = selection.selection_key, Coordinator._eligible
+    monkeypatch.setattr(selection, "selection_key", lambda *args: drawn.append(args) or real_key(*args))
+    monkeypatch.setattr(Coordinator, "_eligible", lambda c, device: asked.append(device) or real_eligible(c, device))
+    work = {}
+    for n in (300, 3_000):
+        c = make(tmp_path / str(n), rounds=10, buffer_size=5, clients_per_round=5, selection_seed=11)
+        register(c, {f"d{i}": 10 for i in range(n)})
+        c.tick(0.6)
+        drawn.clear(), asked.clear()
+        for version in range(1, 5):
+            for device in sorted(c.round.invited - c.round.folded.keys())[:5]:
+                assert send(c, device, plus(c.model, 0.1), c.round.carried.get(device, version), 10, now=version) == []
+            assert c.round.number == version + 1
+            c.tick(version + 0.6)
+        work[n] = (len(drawn), len(asked))
+    assert work[300] == work[3_000] == (20, 20)  # 5 released devices a version, each ranked again and taken
+
+
+@pytest.mark.parametrize("seed", [11, 12, 13, 14])
+def test_a_device_offline_or_sitting_out_when_its_turn_came_is_invited_once_it_may_be(tmp_path: Path,
+                                                                                     seed: int) -> None:
+    """The ranking forgets a device it found offline, invited or sitting out; coming online again, or its
+    sit-out ending, puts it back: it is invited again, whatever the keys (four seeds)."""
+    c = make(tmp_path, rounds=40, buffer_size=1, clients_per_round=1, selection_seed=seed, round_timeout=100.0,
+             answer_timeout=2.0, max_staleness=1)
+    register(c, {"p": 10, "q": 10})
+    first = next(iter(invitations(c.tick(0.6))))
+    other = "q" if first == "p" else "p"
+    c.handle(TOPICS.presence(other), b"offline", 0.7)
+    for version in range(1, 4):  # `other` is offline: `first` alone is invited, version after version
+        assert send(c, first, plus(c.model, 0.1), version, 10, now=version) == []
+        c.tick(version + 0.6)
+        assert c.round.invited == {first}
+    c.handle(TOPICS.presence(other), b"online", 4.0)
+    c.handle(TOPICS.presence(first), b"offline", 4.1)  # it declines: its place goes to the one back online
+    assert other in invitations(c.tick(4.7))
+    c.handle(TOPICS.presence(first), b"online", 4.8)
+    missed = c.round.number  # `other` never answers: a miss; `first`, still invited, delivers
+    c.tick(4.7 + 2.1)
+    assert c.backoff.misses[other][0] == 1
+    assert send(c, first, plus(c.model, 0.1), missed, 10, now=7.0) == [] and c.round.number == missed + 1
+    now = 7.0
+    for version in range(missed + 1, missed + 13):  # its stale invitation and its sit-out over, it is invited again
+        fresh = sorted(d for d in c.round.invited - c.round.folded.keys() if d not in c.round.carried)
+        if other in fresh:
+            break
+        now += 2.1  # past --answer-timeout: a stale invitation no longer holds the one place
+        fresh = fresh or sorted(invitations(c.tick(now)))
+        assert fresh == [first] and send(c, first, plus(c.model, 0.1), version, 10, now=now) == []
+        c.tick(now)
+    else:
+        raise AssertionError(f"{other} was never invited again after its miss")
 
 
 def test_an_upload_under_way_survives_a_release(tmp_path: Path) -> None:

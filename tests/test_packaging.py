@@ -35,3 +35,11 @@ def test_every_command_has_help(command: str) -> None:
     result = subprocess.run([Path(sys.executable).parent / command, "--help"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "Usage" in result.stdout
+
+
+@pytest.mark.parametrize("module", ["fedper.export.cli", "fedper.edge.cli", "fedper.coordinator.cli",
+                                    "fedper.emulate.cli"])
+def test_every_role_runs_as_a_module(module: str) -> None:
+    """`python -m fedper.<role>.cli` is what a board without the console scripts on its PATH runs."""
+    result = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True)
+    assert result.returncode == 0 and "Usage" in result.stdout, result.stderr
