@@ -48,11 +48,52 @@ def test_the_learning_rate_input_steps_like_set_learning_rate(tiny_export, lr):
     start = _step(set_dir, TRAINING_MODEL, set_dir / OPTIMIZER_MODEL, lr=0.0, feed_lr=False)[1]
     loss, stock = _step(set_dir, TRAINING_MODEL, set_dir / OPTIMIZER_MODEL, lr=lr, feed_lr=False)
     web_loss, web = _step(set_dir, WEB_TRAINING_MODEL, set_dir / OPTIMIZER_MODEL, lr=lr, feed_lr=True)
-    assert web_loss == loss  # the rate only scales the gradients: the forward pass is the same graph
+    # the web graph's BatchNorm statistics are summed in float64, native onnxruntime's in float32 (relative error
+    # 1e-7 to 3e-7): the loss and the step differ by that rounding carried through the network (measured: loss
+    # 2e-7, step 1.1e-5 and 1.4e-5 of its norm at the two rates), not by anything the rate does
+    assert abs(web_loss - loss) <= 1e-6 * abs(loss)
     step = stock - start
     assert np.linalg.norm(step) > 0
-    # the same step up to float32 rounding of lr / 0.001 * 0.001 and of where the scale enters the gradients
-    assert np.linalg.norm(web - stock) <= 1e-5 * np.linalg.norm(step)
+    assert np.linalg.norm(web - stock) <= 5e-5 * np.linalg.norm(step)
+
+
+def _running_statistics(set_dir: Path, training: str | None) -> dict[str, np.ndarray]:
+    """The set's BatchNorm running statistics from its checkpoint, after one training step of `training` (the
+    web graph gets its rate as an input) or, with None, as the checkpoint holds them."""
+    from onnxruntime.training import api
+
+    state = api.CheckpointState.load_checkpoint(str(set_dir / "checkpoint"))
+    if training is not None:
+        module = api.Module(str(set_dir / training), state, str(set_dir / "eval_model.onnx"))
+        x, y = _batch()
+        module(x, y, np.array(0.05, np.float32)) if training == WEB_TRAINING_MODEL else module(x, y)
+    return {name: p.data.copy() for name, p in state.parameters if name.endswith(("running_mean", "running_var"))}
+
+
+def test_the_web_graph_sums_batchnorm_statistics_in_float64_and_keeps_the_running_statistics(tiny_export):
+    """onnxruntime-web's BatchNorm kernel sums in sequential float32 (docs/onnxruntime-training.md): the web graph
+    computes the statistics in float64 instead, and still updates the running statistics in the checkpoint state."""
+    set_dir = tiny_export(algorithm="fedrep") / "train" / "base"
+    stock, web = onnx.load(set_dir / TRAINING_MODEL).graph, onnx.load(set_dir / WEB_TRAINING_MODEL).graph
+    kernels = [n for n in stock.node if n.op_type == "BatchNormInternal"]
+    assert kernels and not any(n.op_type == "BatchNormInternal" for n in web.node)
+    normalize = [n for n in web.node if n.op_type == "BatchNormalization"]
+    assert [n.input[:3] for n in normalize] == [n.input[:3] for n in kernels]
+    assert all(a.i == 0 for n in normalize for a in n.attribute if a.name == "training_mode")
+    to_float64 = {n.input[0] for n in web.node if n.op_type == "Cast" and n.attribute[0].i == onnx.TensorProto.DOUBLE}
+    assert {n.input[0] for n in kernels} <= to_float64
+    # the same parameters in the same order (the page's getContiguousParameters), plus the rate
+    assert [v.name for v in web.input] == [v.name for v in stock.input] + [WEB_LR_INPUT]
+    assert [v.name for v in web.output] == [v.name for v in stock.output]
+
+    start = _running_statistics(set_dir, None)
+    after_stock = _running_statistics(set_dir, TRAINING_MODEL)
+    after_web = _running_statistics(set_dir, WEB_TRAINING_MODEL)
+    assert sorted(after_web) == sorted(after_stock)
+    change = np.concatenate([after_stock[n] - start[n] for n in sorted(start)])
+    gap = np.concatenate([after_web[n] - after_stock[n] for n in sorted(start)])
+    assert np.linalg.norm(change) > 0
+    assert np.linalg.norm(gap) <= 1e-6 * np.linalg.norm(change)  # measured 4e-7: float32 vs float64 batch sums
 
 
 def _restore_shape_one_flag(optimizer: onnx.ModelProto) -> onnx.ModelProto:

@@ -5,7 +5,7 @@ The export's weights are first trained for a few hundred steps on other digits (
 initialization this narrow network is so ill-conditioned that a rounding-level change of the start (1e-7) moves
 the next step by 2 % and the second by 90 % in Python onnxruntime itself, so no two runtimes could agree there.
 Each case's round is also run from the start moved by 1e-6 (relative, two draws): how far Python's own round
-moves under a change the size of onnxruntime-web's BatchNorm rounding (docs/onnxruntime-training.md), recorded as
+moves under a change the size of the stock wasm BatchNorm kernel's rounding (docs/onnxruntime-training.md), kept as
 `self_gap_shared` and `self_gap_local`: the largest |tensors - tensors from a moved start| / |tensors - start| over
 the shared and the device-local tensors.
 
