@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-import numpy
+import numpy as np
 import onnx
 import torch
 from onnx import numpy_helper
@@ -238,7 +238,7 @@ def float64_batchnorm_statistics(training: onnx.ModelProto) -> None:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         if attrs.get("training_mode", 1) != 1:
             raise ExportError(f"{node.name}: BatchNormInternal not in training mode in the training graph")
-        epsilon, momentum = float(attrs.get("epsilon", 1e-5)), numpy.float32(attrs.get("momentum", 0.9))
+        epsilon, momentum = float(attrs.get("epsilon", 1e-5)), np.float32(attrs.get("momentum", 0.9))
         t = f"{node.name}/float64"
 
         nodes += [
@@ -265,7 +265,7 @@ def float64_batchnorm_statistics(training: onnx.ModelProto) -> None:
             helper.make_node("Constant", [], [f"{t}/overwrite"], value=helper.make_tensor(
                 f"{t}/overwrite/value", onnx.TensorProto.BOOL, [1], [True])),
             _scalar(f"{t}/momentum", float32, float(momentum)),
-            _scalar(f"{t}/rest", float32, float(numpy.float32(1.0 - momentum))),  # the kernel's float(1. - momentum)
+            _scalar(f"{t}/rest", float32, float(np.float32(1.0 - momentum))),  # the kernel's float(1. - momentum)
         ]
         for stat, batch, running in (("mean", saved_mean, running_mean), ("var", f"{t}/var32", running_var)):
             nodes += [
