@@ -18,10 +18,12 @@ Part `scale`: N scripted devices connected and registered (benchmarks/fleet_scal
 client, idle but for keep-alive pings), of which --clients-per-round 100 train at once (a random 0-2 s each,
 then a precomputed update of a 100,000-float model, tagged with the round it was invited to), a version every
 --buffer-size 10 updates. Figure: the coordinator's CPU seconds per folded update over the versions after the
-second (its whole process: /proc/<pid>/stat, sampled as each version opens), at each N. One Mosquitto holds
-at most about 20,000 connections here (the container's hard limit of open files per process), so a fleet
-above that is spread over edge brokers bridged to the one the coordinator uses (Mosquitto bridges, topics
-split by direction), as a large deployment would.
+second and after every device registered (its whole process: /proc/<pid>/stat, sampled as each version
+opens), at each N; and net of the coordinator's cost per second of wall time, measured first with no
+device (its loop and keep-alive: a run whose devices deliver few updates a second divides it among few).
+One Mosquitto holds at most about 20,000 connections here (the container's hard limit of open files per
+process), so a fleet above that is spread over edge brokers bridged to the one the coordinator uses
+(Mosquitto bridges, topics split by direction), as a large deployment would.
 """
 
 from __future__ import annotations
@@ -305,6 +307,29 @@ PER_BROKER = 18_000  # devices per Mosquitto: under the 20,000 open files a proc
 PER_WORKER = 18_000  # devices per client process, for the same reason
 
 
+def coordinator_command(artifacts: Path, fleet: str, port: int, state_dir: Path, versions: int, concurrency: int,
+                        buffer_size: int) -> list[str]:
+    return [sys.executable, "-m", "fedper.coordinator.cli", "--artifacts", str(artifacts), "--fleet", fleet,
+            "--broker", f"mqtt://127.0.0.1:{port}", "--rounds", str(versions), "--mode", "async",
+            "--clients-per-round", str(concurrency), "--buffer-size", str(buffer_size), "--max-staleness", "20",
+            "--round-timeout", "120", "--chunk-size", str(63 * 1024), "--state-dir", str(state_dir)]
+
+
+def idle_cpu_ms_per_s(command: list[str], settle_s: float = 5.0, seconds: float = 20.0) -> float:
+    """The coordinator's CPU per second of wall time with no device at all (its 0.1 s loop, the MQTT client's
+    keep-alive, state messages): a cost per second, not per update, which a run that folds few updates a second
+    divides among few."""
+    coordinator = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(settle_s)
+        cpu, started = fleet_scale.cpu_seconds(coordinator.pid), time.perf_counter()
+        time.sleep(seconds)
+        return 1000 * (fleet_scale.cpu_seconds(coordinator.pid) - cpu) / (time.perf_counter() - started)
+    finally:
+        coordinator.terminate()
+        coordinator.wait(10)
+
+
 def run_scale(size: int, versions: int, directory: Path, floats: int = 100_000, concurrency: int = 100,
               buffer_size: int = 10, train_s: float = 2.0, timeout: float = 1800.0) -> dict[str, Any]:
     fleet_scale.VANISH = 0.0  # every invited device answers: the cost measured is the updates'
@@ -322,6 +347,8 @@ def run_scale(size: int, versions: int, directory: Path, floats: int = 100_000, 
             edges.append(port)
         edges = edges[1:]
     load_before = os.getloadavg()[0]
+    idle = idle_cpu_ms_per_s(coordinator_command(artifacts, "idle", central, directory / "idle-state", versions,
+                                                 concurrency, buffer_size))  # a fleet nobody is in
     context = mp.get_context("fork")
     ready, results, stop = context.Queue(), context.Queue(), context.Event()
     workers = max(2, math.ceil(size / PER_WORKER), len(edges))  # each worker's devices on one broker
@@ -338,12 +365,9 @@ def run_scale(size: int, versions: int, directory: Path, floats: int = 100_000, 
             ready.get(timeout=timeout)
         connect_s = time.perf_counter() - started
         log = open(directory / "coordinator.log", "wb")  # noqa: SIM115 (closed with the process)
-        coordinator = subprocess.Popen(
-            [sys.executable, "-m", "fedper.coordinator.cli", "--artifacts", str(artifacts), "--fleet",
-             fleet_scale.FLEET, "--broker", f"mqtt://127.0.0.1:{central}", "--rounds", str(versions), "--mode",
-             "async", "--clients-per-round", str(concurrency), "--buffer-size", str(buffer_size),
-             "--max-staleness", "20", "--round-timeout", "120", "--chunk-size", str(63 * 1024), "--state-dir",
-             str(state_dir)], stdout=log, stderr=subprocess.STDOUT)
+        coordinator = subprocess.Popen(coordinator_command(artifacts, fleet_scale.FLEET, central, state_dir, versions,
+                                                           concurrency, buffer_size), stdout=log,
+                                       stderr=subprocess.STDOUT)
         seen = asyncio.run(fleet_scale._monitor(central, coordinator, size, timeout))
         usage = fleet_scale.reap(coordinator, log, directory)
         broker_rss = [round(fleet_scale.rss_mib(b.pid), 1) for b in brokers]
@@ -374,6 +398,8 @@ def run_scale(size: int, versions: int, directory: Path, floats: int = 100_000, 
             "connect_s": round(connect_s, 1), "registrations_s": round((seen.registered_at or math.nan)
                                                                           - seen.opened[1][0], 1),
             "cpu_ms_per_folded_update": round(1000 * cpu / folded, 2), "folded_measured": folded,
+            "idle_cpu_ms_per_s": round(idle, 2),
+            "net_cpu_ms_per_folded_update": round((1000 * cpu - idle * wall) / folded, 2),
             "measured_versions": [first, last], "coordinator_cpu_share": round(cpu / wall, 3),
             "folded_per_s": round(folded / wall, 1), "aggregate_ms_per_version": round(1000 * float(np.median(
                 [r["aggregate_s"] for r in records if r["round"] >= first])), 1),
@@ -411,10 +437,12 @@ def run(out: Path, quick: bool, part: str = "all", sizes: tuple[int, ...] | None
             print(f"  scale {size} done", file=sys.stderr, flush=True)
         payload["scale"] = scale
         tables.append(table(
-            ["devices", "brokers", "versions measured", "CPU ms / folded update", "folded/s", "coord. CPU share",
-             "aggregate ms / version", "coord. peak RSS MiB", "connect s", "registrations s", "load avg before/after"],
+            ["devices", "brokers", "versions measured", "CPU ms / folded update", "idle CPU ms / s",
+             "net CPU ms / folded update", "folded/s", "coord. CPU share", "aggregate ms / version",
+             "coord. peak RSS MiB", "connect s", "registrations s", "load avg before/after"],
             [[r["devices"], r["brokers"], "{}-{}".format(*r["measured_versions"]), r["cpu_ms_per_folded_update"],
-              r["folded_per_s"], r["coordinator_cpu_share"], r["aggregate_ms_per_version"],
+              r["idle_cpu_ms_per_s"], r["net_cpu_ms_per_folded_update"], r["folded_per_s"],
+              r["coordinator_cpu_share"], r["aggregate_ms_per_version"],
               r["coordinator_peak_rss_mib"], r["connect_s"], r["registrations_s"],
               f"{r['load_before']}/{r['load_after']}"] for r in scale]))
     write_json(out, "async_fleet", payload)

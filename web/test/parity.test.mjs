@@ -1,10 +1,10 @@
 // The page trains as fedper-agent does: for every algorithm row (its phases switching artifact sets within the
 // round, FedBABU's fine-tuned evaluation, LG-FedAvg's shared head) and the fast graph, one round (one step a
 // phase) from the same trained start on the same digits, seed and settings, in onnxruntime-web (node) and in the
-// Python agent's own code (reference.py). The update agrees within 1 % of the round's change, or, where the round
-// is more sensitive than that, within what Python's own round moves when its start moves by 1e-6 (the size of the
-// stock wasm BatchNorm kernel's rounding, docs/onnxruntime-training.md); the head as close; the metrics agree.
-// With the web graph's float64 BatchNorm statistics the update measured 5e-4 of the change, FedRep's base 3.6e-3.
+// Python agent's own code (reference.py). The update, shared and device-local tensors alike, agrees within 1 % of
+// the round's change (measured: 5e-4, FedRep's base 3.6e-3, since the web graph sums BatchNorm's statistics in
+// float64; about 1e-2 before, docs/onnxruntime-training.md); the metrics agree. The diagnostic also prints how
+// far Python's own round moves when its start moves by 1e-6, for scale.
 
 import assert from 'node:assert/strict';
 import { spawnSync } from 'node:child_process';
@@ -63,7 +63,7 @@ test('one round in the page equals one round of the Python agent, for every algo
           continue;
         }
         const selfGap = Number(python.metadata[`self_gap_${part}`]);
-        const bound = Math.max(0.01, selfGap);
+        const bound = 0.01;
         assert.ok(gap <= bound * change, `${c.name} ${part}: the page differs by ${(100 * gap / change).toFixed(3)} % of the round's change, the bound is ${(100 * bound).toFixed(2)} %`);
         t.diagnostic(`${c.name} ${part}: |page - python| / |python's change| = ${(gap / change).toExponential(2)}; Python from a start moved by 1e-6: ${selfGap.toExponential(2)}`);
       }
