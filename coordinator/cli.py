@@ -41,7 +41,7 @@ class Service(Group):
     state_dir: Path = option(help="Checkpoints, metrics.jsonl and final.safetensors; resumed from.")
     broker: str = option("", "External broker URL, mqtt://host:1883 or mqtts://host:8883.")
     embedded_broker: bool = option(False, "Run amqtt's broker in this process on 127.0.0.1:--port.")
-    port: int = option(1883, "Port of the embedded broker.")
+    port: int = option(1883, "Port of the embedded broker.", min=1, max=65535)
     mqtt_version: str = option("5", "MQTT protocol: 5 or 3.1.1 (the embedded broker speaks 3.1.1).")
     username: str | None = option(None, "Broker user name.")
     password: str | None = option(None, "Broker password.", envvar="FEDPER_MQTT_PASSWORD")

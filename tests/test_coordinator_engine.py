@@ -572,6 +572,9 @@ def test_cli_refuses_inconsistent_selection_options(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["--artifacts", str(artifacts), "--fleet", "lab", "--rounds", "1",
                                       "--state-dir", str(tmp_path / "s"), "--broker", "mqtt://x", "--over-select", "2"])
     assert result.exit_code == 2 and "--over-select needs --clients-per-round" in result.output
+    result = CliRunner().invoke(app, ["--artifacts", str(artifacts), "--fleet", "lab", "--rounds", "1",
+                                      "--state-dir", str(tmp_path / "s"), "--embedded-broker", "--port", "0"])
+    assert result.exit_code == 2 and "--port" in result.output  # not a broker on port 0 that nobody reaches
 
 
 # ------------------------------------------------------------ the registry's own checkpoint file
