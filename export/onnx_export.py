@@ -208,8 +208,7 @@ def web_training_graph(training: onnx.ModelProto) -> onnx.ModelProto:
         raise ExportError(f"the training graph has no gradient seed {seed!r} of 1.0 to turn into a learning rate")
     del graph.initializer[found[0]]
     graph.input.append(onnx.helper.make_tensor_value_info(WEB_LR_INPUT, onnx.TensorProto.FLOAT, []))
-    runtime = onnx.helper.make_tensor(f"{seed}/runtime_rate", onnx.TensorProto.FLOAT, [], [RUNTIME_LEARNING_RATE])
-    graph.node.insert(0, onnx.helper.make_node("Constant", [], [f"{seed}/runtime_rate"], value=runtime))
+    graph.node.insert(0, _scalar(f"{seed}/runtime_rate", onnx.TensorProto.FLOAT, RUNTIME_LEARNING_RATE))
     graph.node.insert(1, onnx.helper.make_node("Div", [WEB_LR_INPUT, f"{seed}/runtime_rate"], [seed]))
     float64_batchnorm_statistics(proto)
     return proto
