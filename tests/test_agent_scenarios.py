@@ -90,7 +90,7 @@ def test_presence_follows_the_conditions_and_is_online_at_once_without_them() ->
 def test_stale_input_and_refused_input_ask_for_no_work() -> None:
     assert outputs(load("stale-round-info"), "job") == []
     refusals = load("refusals")
-    assert [i for i, _ in outputs(refusals, "job")] == [len(refusals["steps"]) - 1]  # only the right model trains
+    assert [i for i, _ in outputs(refusals, "job")] == [len(refusals["steps"]) - 2]  # only the right model trains
     selection = load("selection")
     first_job = outputs(selection, "job")[0][0]
     invited = selection["steps"][first_job - 3]["event"]  # the step before round 2's three chunks

@@ -324,13 +324,14 @@ def refusals() -> Recorder:
     corrupt[-1] ^= 0xFF
     s = Recorder("Refused input asks for no work: a RoundInfo for another export, for a round beyond the run, with "
                  "an oversized model, or not JSON; a corrupt chunk; a complete blob under the round's id that is not "
-                 "its sha256. The right model then trains.")
+                 "its sha256. The right model then trains and its update goes.")
     s.connect()
     s.feed(round_info(1, digest="0" * 64), round_info(4, rounds=3), round_info(1, blob=bytes(10**6)),
            (TOPICS.round, b"{not json"), (TOPICS.round, b'{"v":2}'))
     s.feed(round_info(1))
     s.feed((chunks(1)[0][0], bytes(corrupt)), *chunks(1, blob=forged))
     s.feed(*chunks(1))
+    s.trained()
     return s
 
 
@@ -342,8 +343,9 @@ def presence() -> Recorder:
                  conditions=True)
     s.connect()
     s.checked(None)
-    s.feed(round_info(1), *chunks(1))
+    s.feed(round_info(1))
     s.checked("on battery")
+    s.feed(*chunks(1))
     s.later(30).tick()
     s.later(31).tick()
     s.checked(None)

@@ -507,13 +507,13 @@ export class Agent {
   subscriptions() { return this.engine.subscriptions(); }
 
   /** Presence and Register, on every connect (and the conditions' check they lead to): the messages to publish. */
-  connected() { return this.settle(this.engine.handle({ type: 'connected' }, this.clock())); }
+  async connected() { return this.settle(this.engine.handle({ type: 'connected' }, this.clock())); }
 
   /** Time passed: checks the conditions again once their back-off is over. */
-  tick() { return this.settle(this.engine.handle({ type: 'tick' }, this.clock())); }
+  async tick() { return this.settle(this.engine.handle({ type: 'tick' }, this.clock())); }
 
   /** One message from the broker; the messages to publish in answer. AgentError when the agent cannot go on. */
-  handle(topic, payload) { return this.settle(this.engine.handle({ type: 'message', topic, payload }, this.clock())); }
+  async handle(topic, payload) { return this.settle(this.engine.handle({ type: 'message', topic, payload }, this.clock())); }
 
   /** Run the jobs among `actions` (and those their results lead to) in order: what to publish. */
   async settle(actions) {

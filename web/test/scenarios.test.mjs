@@ -8,8 +8,9 @@ import { readFileSync, readdirSync } from 'node:fs';
 import { join } from 'node:path';
 import { test } from 'node:test';
 
-import { AgentEngine, AgentError, decodeModel } from '../src/agent.js';
+import { Agent, AgentEngine, AgentError, decodeModel } from '../src/agent.js';
 import { Manifest } from '../src/manifest.js';
+import { MemoryStore } from '../src/store.js';
 import { Reassembler, decodeChunk } from '../src/wire.js';
 import { VECTORS } from './helpers.mjs';
 
@@ -106,3 +107,70 @@ for (const file of files) {
   const scenario = JSON.parse(readFileSync(join(DIR, file)));
   test(`scenario ${file.replace('.json', '')}: ${scenario.about}`, () => replay(scenario));
 }
+
+/** What a scenario publishes, in order, as text: the Agent's runner answers jobs at once, so only a scenario
+ * whose events never come while a job is out publishes in the same order through it. */
+function publications(entries) {
+  return entries.filter((o) => o.publish).map((o) => (o.update
+    ? `update r${o.update.meta.round} ${JSON.stringify(o.update.tensors)}`
+    : `${o.publish} ${o.text ?? JSON.stringify(o.message)}`));
+}
+
+function sequential(scenario) {
+  let out = 0;
+  for (const step of scenario.steps) {
+    if (['checked', 'trained', 'evaluated'].includes(step.event.type)) out -= 1;
+    else if (out > 0) return false;
+    out += (step.out ?? []).filter((o) => o.job).length;
+  }
+  return true;
+}
+
+const runnable = files.map((f) => [f, JSON.parse(readFileSync(join(DIR, f)))]).filter(([, s]) => sequential(s));
+
+test('the Agent runs the engine\'s jobs as the scenarios answer them and publishes what they say', async () => {
+  assert.ok(runnable.length >= 6, runnable.map(([f]) => f).join(', '));
+  const withArtifacts = new Manifest({ ...JSON.parse(readFileSync(join(VECTORS, 'manifest.json'))), artifact_sets: { all: 'train/all' } });
+  for (const [file, scenario] of runnable) {
+    const s = scenario.settings, results = scenario.steps.map((step) => step.event);
+    const next = (type) => {
+      const i = results.findIndex((e) => e.type === type);
+      assert.ok(i >= 0, `${file}: a ${type} result the scenario does not give`);
+      return results.splice(i, 1)[0];
+    };
+    const store = new MemoryStore();
+    if (scenario.saved) {
+      const { round, n_samples: nSamples, metrics, update } = scenario.saved;
+      await store.put('device', saved(round, nSamples, metrics, update));
+    }
+    let clock = 0;
+    const trainer = {
+      load() {},
+      async evaluate() { return { accuracy: 0.75, loss: 0.5 }; },
+      async train() { return { samples: 0, seconds: 0, loss: 0.25 }; },
+      read(names) { // the trained update of the scenario's next result; zeros for the head
+        const trained = names.includes(manifest.sharedTensors[0].name) ? tensors(next('trained').update) : {};
+        return new Map(names.map((n) => [n, trained[n] ?? new Float32Array(manifest.spec(n).shape.reduce((a, b) => a * b, 1))]));
+      },
+    };
+    const agent = new Agent({
+      config: { fleet: s.fleet, clientId: s.client_id, chunkSize: s.chunk_size, codec: s.compression }, manifest: withArtifacts,
+      trainer, store, data: { xTrain: [], yTrain: new Array(s.n_samples), xTest: [], yTest: [0] }, log: () => {},
+      conditions: s.conditions ? async () => next('checked').problem : null, clock: () => clock,
+    });
+    await agent.restore();
+    const got = [];
+    const registerTopic = agent.topics.register(s.client_id), updateTopic = agent.topics.update(s.client_id);
+    for (const step of scenario.steps) {
+      clock = step.at;
+      const e = step.event;
+      const run = { connected: () => agent.connected(), tick: () => agent.tick(),
+        message: () => agent.handle(e.topic, 'text' in e ? utf8(e.text) : hexBytes(e.hex)) }[e.type];
+      if (!run) continue;
+      if (step.raises) await assert.rejects(run(), AgentError, file);
+      else got.push(...normalize(await run(), updateTopic, registerTopic));
+    }
+    const wanted = scenario.steps.flatMap((step) => step.out ?? []);
+    assert.deepEqual(publications(got), publications(wanted), file);
+  }
+});
