@@ -9,7 +9,7 @@
 // collect the base model's chunks, check its sha256 against RoundInfo, decode it once (fp32, exactly the manifest's
 // finite shared tensors), load the shared tensors by name (the head stays), evaluate on the local test split (the
 // model the device serves now; FedBABU serves a fine-tuned copy), train the algorithm's phases, save the state in
-// IndexedDB, publish the update: only the manifest's shared tensors (Updates.encode takes the manifest), chunked.
+// IndexedDB, publish the update: only the manifest's shared tensors (encodeShared takes the manifest), chunked.
 // After a reload the head comes back from the store; a saved update of the open round is sent again whenever that
 // round's RoundInfo is (re)published, and so is one of an earlier round that asynchronous rounds (RoundInfo's
 // max_staleness, docs/protocol.md 8.2) still take. What reaches the page is checked before anything is loaded.
@@ -419,16 +419,14 @@ export class AgentEngine {
     return [this.training];
   }
 
-  /** Answer the round just trained for: its RoundInfo now if still open, else the one it was trained under, unless
-   * asynchronous rounds have moved past what they take (max_staleness). */
+  /** Send the update just trained, also when the round moved on meanwhile (the coordinator answers late_update),
+   * unless the open asynchronous round no longer takes its version (max_staleness): the stale-update check. */
   send() {
     const job = this.training, info = this.round;
     this.training = null;
-    if (!info || info.state !== 'open' || info.round !== job.info.round) {
-      if (info && info.state === 'open' && info.max_staleness !== null && job.info.round < info.round - info.max_staleness) {
-        this.log(`round ${job.info.round}: trained, but round ${info.round} is open and takes updates of rounds ${info.round - info.max_staleness} on: not sent`);
-        return [];
-      }
+    if (info && info.state === 'open' && info.max_staleness !== null && job.info.round < info.round - info.max_staleness) {
+      this.log(`round ${job.info.round}: trained, but round ${info.round} is open and takes updates of rounds ${info.round - info.max_staleness} on: not sent`);
+      return [];
     }
     this.kept = job.info.max_staleness !== null ? job : null; // a resend may need its model
     return this.update(job.model);
