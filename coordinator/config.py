@@ -91,8 +91,8 @@ class Aggregation(Group):
                                            "--dp-noise-multiplier: DP's clip norm C, required).", min=0.0)
     max_weight_ratio: float = option(
         DEFAULT_MAX_WEIGHT_RATIO, "c: in --aggregator mean a device weighs min(n_j, c x the median n_samples of the "
-                                  "devices registered when the round folds its first update); inf lifts the cap "
-                                  "(docs/reliability.md).", min=1.0)
+                                  "devices registered when the round (an async version) folds its first update); inf "
+                                  "lifts the cap (docs/reliability.md).", min=1.0)
 
     def __post_init__(self) -> None:
         if self.aggregator not in AGGREGATOR_NAMES:
