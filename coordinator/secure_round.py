@@ -11,7 +11,6 @@ distributed DP: docs/privacy.md ("Secure aggregation"); messages: docs/protocol.
 
 from __future__ import annotations
 
-import logging
 import math
 import secrets
 from collections.abc import Callable, Mapping, Sequence, Set
@@ -22,6 +21,7 @@ from typing import Any
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from fedper.coordinator.logs import log
 from fedper.manifest import Manifest, SummedTensors
 from fedper.secagg import (
     AggregateResult,
@@ -50,8 +50,6 @@ from fedper.wire import (
     Topics,
     WireError,
 )
-
-log = logging.getLogger("fedper.coordinator")
 
 
 def new_session() -> int:

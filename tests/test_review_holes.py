@@ -2,16 +2,35 @@
 from hand-made frames (tests/helpers/frames.py) or third-party clients, expected values derived here.
 
 - `--mode async` applies `--max-weight-ratio` as synchronous rounds do, and records `weight_cap`.
+- Device-chosen text (a registration's software, a digest quoted in an error text) reaches the
+  coordinator's log escaped: published with `mosquitto_pub`, read from the live coordinator's output.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
+from helpers.processes import Processes, coordinator_args, saved_state
 from test_async_engine import copy, make, plus, records, register, send
+from test_coordinator_live import FLEET, TOPICS, wait_for, write_artifacts
+from vectors.make_vectors import tiny_manifest, tiny_tensors
+
+MOSQUITTO_PUB = shutil.which("mosquitto_pub")
+needs_mosquitto_pub = pytest.mark.skipif(MOSQUITTO_PUB is None, reason="mosquitto_pub not installed "
+                                                                       "(apt-get install mosquitto-clients)")
+
+
+def publish(url: str, topic: str, payload: bytes, retain: bool = False) -> None:
+    """One message from Debian's mosquitto_pub (no fedper code), its payload read from stdin as is."""
+    host, port = url.removeprefix("mqtt://").split(":")
+    command = [str(MOSQUITTO_PUB), "-h", host, "-p", port, "-q", "1", "-t", topic, "-s", *(["-r"] if retain else [])]
+    subprocess.run(command, input=payload, check=True, timeout=10)
 
 # ---------------------------------------------------------------- the weight cap in asynchronous rounds
 
@@ -49,3 +68,43 @@ def test_a_device_claiming_a_million_samples_moves_an_async_version_no_more_than
         else:
             assert share > 0.999 and "weight_cap" not in record
     assert json.loads((tmp_path / "capped" / "metrics.jsonl").read_text().splitlines()[0])["weight_cap"] == 1000.0
+
+
+# ---------------------------------------------------------------- device-chosen text in the log
+
+
+FORGED = "\n2026-11-28 04:00:00,000 round 99 closed: 48 participant(s)"
+CLEAR_SCREEN = "\x1b[2J"
+
+
+@pytest.mark.mosquitto
+@needs_mosquitto_pub
+def test_device_chosen_text_reaches_the_coordinators_log_escaped(mosquitto, tmp_path: Path,
+                                                                   processes: Processes) -> None:
+    """Issue 39: a registration's software string went into the log as sent, so a device could forge a
+    "round 99 closed" line or clear an operator's terminal. Hand-written registrations published with
+    mosquitto_pub carry a forged line and ESC [2J in the software string and in the base digest (quoted in the
+    digest_mismatch error text); the live coordinator's output holds each escaped, on the line of the record it
+    belongs to. (A device id is a topic level: NAME_RE's characters only, and Mosquitto refuses control
+    characters in topics.)"""
+    manifest = tiny_manifest()
+    artifacts = write_artifacts(tmp_path / "export", manifest, tiny_tensors())
+    state = tmp_path / "state"
+    coordinator = processes.start("coordinator", *coordinator_args(artifacts, mosquitto.url, state, FLEET, 1, 1, 60))
+    hostile = FORGED + CLEAR_SCREEN
+    software = json.dumps({"v": 1, "n_samples": 5, "base_digest": manifest.base_digest, "software": hostile})
+    digest = json.dumps({"v": 1, "n_samples": 5, "base_digest": "sha256:" + hostile, "software": "x"})
+    publish(mosquitto.url, TOPICS.register("evil"), software.encode(), retain=True)
+    publish(mosquitto.url, TOPICS.register("liar"), digest.encode(), retain=True)  # read at its subscription
+    wait_for(lambda: "evil" in (saved_state(state) or {}).get("registered", {}), 30, "the registration")
+    wait_for(lambda: processes.log("coordinator").count("round 99 closed") >= 2, 30, "both hostile records")
+    assert coordinator.poll() is None, processes.log("coordinator")
+    assert saved_state(state)["registered"]["evil"]["software"] == hostile  # the data is kept as sent
+    text = (tmp_path / "coordinator.log").read_bytes().decode()
+    assert "\x1b" not in text  # no ESC byte at all (the progress bar writes none into a file)
+    lines = text.splitlines()
+    assert not [line for line in lines if line.startswith("2026-11-28 04:00:00,000")], text  # no forged line
+    escaped = FORGED.replace("\n", "\\n")
+    for what in ("registered evil: 5 samples, software " + escaped + "\\x1b[2J", "digest_mismatch from liar"):
+        [line] = [line for line in lines if what in line]  # the record is one line, the forgery inside it
+        assert escaped + "\\x1b[2J" in line, (what, line)

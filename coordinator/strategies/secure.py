@@ -13,13 +13,13 @@ is released, so training goes on. The stages and their messages: coordinator/sec
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Set
 from typing import Any
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from fedper.coordinator.logs import log
 from fedper.coordinator.secure_round import (
     DistributedNoise,
     GroupOutcome,
@@ -44,8 +44,6 @@ from fedper.wire import (
     WireError,
     decode_secagg,
 )
-
-log = logging.getLogger("fedper.coordinator")
 
 
 class SecureSum(Strategy):
