@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedper.checkpoint import atomic_write
+from fedper.checkpoint import PRIVATE, atomic_write
 from fedper.manifest import Manifest, SummedTensors
 from fedper.privacy import clip_delta
 from fedper.secagg import DeviceKeys, Identity, SecAggClient, SecAggError, SecAggWire
@@ -183,6 +183,6 @@ class SecureParticipant:
         assert self.client is not None
         response = self.client.unmask(self.wire.request(message, self.client.device))
         atomic_write(self.state_dir / ANSWERED_FILE, json.dumps({"round": self.round,
-                                                                 "model": self.model_sha256}).encode())
+                                                                 "model": self.model_sha256}).encode(), PRIVATE)
         return Outgoing(self.topics.secagg(self.device), self.wire.unmask(response).encode())
 

@@ -4,22 +4,31 @@ from hand-made frames (tests/helpers/frames.py) or third-party clients, expected
 - `--mode async` applies `--max-weight-ratio` as synchronous rounds do, and records `weight_cap`.
 - Device-chosen text (a registration's software, a digest quoted in an error text) reaches the
   coordinator's log escaped: published with `mosquitto_pub`, read from the live coordinator's output.
+- State is its owner's alone: after a real run (a coordinator process under DP, two ORT agents) every state
+  file is mode 600 and every state directory 700; directories left open by an earlier release are tightened
+  at start, in one log line; the systemd units set UMask=0077.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from helpers.processes import Processes, coordinator_args, saved_state
+from helpers.processes import Processes, coordinator_args, run_fleet, saved_state
+from test_agent_fleet import agent_config, device_data
 from test_async_engine import copy, make, plus, records, register, send
 from test_coordinator_live import FLEET, TOPICS, wait_for, write_artifacts
 from vectors.make_vectors import tiny_manifest, tiny_tensors
+
+from fedper.edge.agent import Agent
 
 MOSQUITTO_PUB = shutil.which("mosquitto_pub")
 needs_mosquitto_pub = pytest.mark.skipif(MOSQUITTO_PUB is None, reason="mosquitto_pub not installed "
@@ -108,3 +117,61 @@ def test_device_chosen_text_reaches_the_coordinators_log_escaped(mosquitto, tmp_
     for what in ("registered evil: 5 samples, software " + escaped + "\\x1b[2J", "digest_mismatch from liar"):
         [line] = [line for line in lines if what in line]  # the record is one line, the forgery inside it
         assert escaped + "\\x1b[2J" in line, (what, line)
+
+
+# ---------------------------------------------------------------- state modes
+
+
+def modes(directory: Path) -> dict[str, str]:
+    """Each entry's permission bits under `directory` (itself as "."), from os.stat, in octal."""
+    entries = [directory, *directory.rglob("*")]
+    return {str(p.relative_to(directory)): oct(stat.S_IMODE(os.lstat(p).st_mode)) for p in entries}
+
+
+@pytest.mark.mosquitto
+def test_state_files_are_the_owners_alone_after_a_real_run_and_open_ones_are_tightened(
+        tmp_path: Path, tiny_artifacts: Path, mosquitto, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 39: the DP noise secret sat in state.json mode 644 in a 755 directory. One DP round of a coordinator
+    process and two ORT agents, whose state directories an earlier release left 755 with a 644 file in each:
+    afterwards every file is 600 and every directory 700, each role said so in one line at start, and the
+    secret is in the file only its owner reads."""
+    old = os.umask(0o022)  # what a login shell gives: files 644 unless the code says otherwise
+    try:
+        coordinator_dir, agent_dirs = tmp_path / "coordinator", [tmp_path / "state0", tmp_path / "state1"]
+        for directory in (coordinator_dir, *agent_dirs):
+            directory.mkdir(mode=0o755)
+            (directory / "left-by-an-earlier-release.json").write_text("{}")
+            assert modes(directory) == {".": "0o755", "left-by-an-earlier-release.json": "0o644"}
+        command = [sys.executable, "-m", "fedper.coordinator.cli", "--artifacts", str(tiny_artifacts), "--fleet",
+                   "modes", "--rounds", "1", "--min-clients", "2", "--round-timeout", "60", "--state-dir",
+                   str(coordinator_dir), "--broker", mosquitto.url, "--clip-norm", "1.0", "--dp-noise-multiplier",
+                   "1.0", "--dp-target-epsilon", "1e6"]
+        coordinator = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        logs: list[str] = []
+        agents = [Agent(agent_config(tiny_artifacts, path, mosquitto.url, "modes", j, tmp_path), log=logs.append)
+                  for j, path in enumerate(device_data(tmp_path))]
+        err = run_fleet(coordinator, agents, 120, "\n".join(logs))
+    finally:
+        os.umask(old)
+    assert '"secret": "' in (coordinator_dir / "state.json").read_text()
+    for directory in (coordinator_dir, *agent_dirs):
+        found = modes(directory)
+        assert len(found) >= 4, found  # the run wrote its state there
+        assert {name: mode for name, mode in found.items()
+                if mode != ("0o700" if (directory / name).is_dir() else "0o600")} == {}, (directory, found)
+    lines = [line for line in err.splitlines() if "was open to other users" in line]
+    assert len(lines) == 1 and "(was 0755)" in lines[0] and "(was 0644)" in lines[0], err
+    agent_lines = [r.getMessage() for r in caplog.records if r.name == "fedper.edge" and "open to other" in r.message]
+    assert sorted(line.split()[2] for line in agent_lines) == [str(d) for d in agent_dirs], agent_lines
+
+
+@pytest.mark.parametrize("unit", sorted((Path(__file__).resolve().parents[1] / "deploy" / "systemd").glob("*.service")),
+                         ids=lambda u: u.name)
+def test_the_systemd_units_create_files_for_their_user_only(unit: Path) -> None:
+    """UMask=0077 in [Service]: whatever a service creates outside the code's own modes is its user's alone."""
+    section, umask = "", []
+    for line in unit.read_text().splitlines():
+        section = line if line.startswith("[") else section
+        if line.startswith("UMask="):
+            umask.append((section, line))
+    assert umask == [("[Service]", "UMask=0077")]
