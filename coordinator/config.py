@@ -150,8 +150,9 @@ class SecureAggregation(Group):
               "--secure-aggregation: every device's advertised keys must be signed by an identity it certifies.",
         flag="--secagg-identity-root")
     min_group: int = option(
-        4, "Smallest group of devices whose sum the coordinator sees when it narrows down a device whose input "
-           "spoils the sum (docs/privacy.md, 'A device that lies').", flag="--secagg-min-group", min=2)
+        4, "Smallest group of devices whose sum the coordinator sees when it splits suspects of spoiling the sum "
+           "in halves; a round too small for that leaves one suspect out at a time (docs/privacy.md, 'A device "
+           "that lies').", flag="--secagg-min-group", min=2)
 
     def __post_init__(self) -> None:
         if self.degree is not None and (not 2 <= self.degree <= MAX_SECAGG_NEIGHBOURS or self.degree % 2):

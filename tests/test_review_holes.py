@@ -7,11 +7,16 @@ from hand-made frames (tests/helpers/frames.py) or third-party clients, expected
 - State is its owner's alone: after a real run (a coordinator process under DP, two ORT agents) every state
   file is mode 600 and every state directory 700; directories left open by an earlier release are tightened
   at start, in one log line; the systemd units set UMask=0077.
+- Under `--secure-aggregation` with the defaults, a fleet of 4 with one poisoning device trains on: a round
+  too small to sum the suspects in halves leaves one suspect out at a time (the engines of
+  tests/test_secagg_live_engine.py, the liar's masked input framed by hand).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import shutil
 import stat
@@ -26,6 +31,7 @@ from helpers.processes import Processes, coordinator_args, run_fleet, saved_stat
 from test_agent_fleet import agent_config, device_data
 from test_async_engine import copy, make, plus, records, register, send
 from test_coordinator_live import FLEET, TOPICS, wait_for, write_artifacts
+from test_secagg_live_engine import Fleet, flat_manifest
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
 from fedper.edge.agent import Agent
@@ -175,3 +181,53 @@ def test_the_systemd_units_create_files_for_their_user_only(unit: Path) -> None:
         if line.startswith("UMask="):
             umask.append((section, line))
     assert umask == [("[Service]", "UMask=0077")]
+
+
+# ---------------------------------------------------------------- a poisoner in a small secure fleet
+
+
+@pytest.mark.parametrize("liar", ["d3", "d0"])
+def test_a_fleet_of_four_with_one_poisoner_under_secure_aggregation_trains_on(
+        tmp_path: Path, liar: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 39: with --secagg-min-group 4 (the default) halves of 4 devices need 8, so one device masking values
+    beyond its clip norm every round stopped a fleet of 4 for good (5 of 5 rounds released nothing, the log
+    promising halves). Now each failing session leaves one more suspect out: a failure without it clears it (a
+    failed sum holds a liar). d3, the last suspect, is the lone suspect after 4 failing rounds and excluded; d0
+    sits out first, and every round from then on releases the honest three's exact weighted mean (d0 is never
+    excluded on a pass: a pass shows no lie)."""
+    caplog.set_level(logging.INFO, "fedper.coordinator")
+    length, rounds = 64, 6
+    base = np.random.default_rng(3).normal(0, 1, length).astype(np.float32)
+
+    def tensors(j: int) -> dict[str, np.ndarray]:
+        shift = 0.0 if j < 0 else 0.4 / math.sqrt(length) * (j + 1)
+        return {"w": (base + shift).astype(np.float32), "bn.running_mean": np.zeros(4, np.float32)}
+
+    fleet = Fleet(tmp_path, 4, flat_manifest(length), tensors, 4096, clip_norm=1.0, rounds=rounds)
+    assert fleet.coordinator.config.secure.min_group == 4
+    fleet.liars[liar] = np.full(length + 4, 1.0)  # L2 norm 8.2 where the clip norm is 1
+    honest = [n for n in fleet.names if n != liar]
+    records_, models = [], []
+    for _ in range(rounds):
+        number = fleet.coordinator.round.number
+        fleet.model = {k: v.copy() for k, v in fleet.coordinator.model.items()}
+        fleet.updates = {name: {k: v + (fleet.model[k] - base if k == "w" else 0) for k, v in tensors(j).items()}
+                         for j, name in enumerate(fleet.names)}
+        fleet.participants.clear()
+        fleet.advertise([n for n in fleet.names if n not in fleet.coordinator.strategy.excluded])
+        fleet.pump(ticks=4)
+        assert fleet.coordinator.round.number == number + 1 or fleet.coordinator.finished
+        records_.append(fleet.record())
+        models.append((fleet.expected(honest), {k: v.copy() for k, v in fleet.coordinator.model.items()}))
+    released = [bool(r["devices"]) for r in records_]
+    first = 4 if liar == "d3" else 1  # rounds (from 0) before the first release: d3 is the last to sit out
+    assert released == [False] * first + [True] * (rounds - first), [r["secagg"] for r in records_]
+    assert all(r["secagg"]["devices"] >= 3 for r in records_)  # one device out at most: no sum of fewer than 3
+    for r, (expected, model) in zip(records_[first:], models[first:], strict=True):
+        assert sorted(r["devices"]) == honest
+        for k, v in expected.items():
+            np.testing.assert_allclose(model[k], v, atol=1e-5)
+    assert records_[-1]["secagg"]["excluded"] == (["d3"] if liar == "d3" else [])
+    promises = [r.message for r in caplog.records if "sums them in halves" in r.message]
+    assert promises and all("or leaves one out" in m for m in promises)  # no promise of halves alone
+    assert any("sits this session out" in r.message for r in caplog.records)
