@@ -10,10 +10,14 @@ from hand-made frames (tests/helpers/frames.py) or third-party clients, expected
 - Under `--secure-aggregation` with the defaults, a fleet of 4 with one poisoning device trains on: a round
   too small to sum the suspects in halves leaves one suspect out at a time (the engines of
   tests/test_secagg_live_engine.py, the liar's masked input framed by hand).
+- A lying coordinator cannot run a secure-aggregation session twice: real agents through Mosquitto, a coordinator
+  scripted by hand, advertise (and so sign) once per (round, session), across 77 -> 78 -> 77 and a restart.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import logging
 import math
@@ -22,19 +26,26 @@ import shutil
 import stat
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from helpers.frames import chunks, to_json
 from helpers.processes import Processes, coordinator_args, run_fleet, saved_state
 from test_agent_fleet import agent_config, device_data
 from test_async_engine import copy, make, plus, records, register, send
 from test_coordinator_live import FLEET, TOPICS, wait_for, write_artifacts
+from test_secagg_live import CLIP, Impostor, make_agents, run_agents
 from test_secagg_live_engine import Fleet, flat_manifest
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
+from fedper.artifacts import BASE_FILE
 from fedper.edge.agent import Agent
+from fedper.edge.secure_round import ADVERTISED_FILE
+from fedper.manifest import Manifest
 
 MOSQUITTO_PUB = shutil.which("mosquitto_pub")
 needs_mosquitto_pub = pytest.mark.skipif(MOSQUITTO_PUB is None, reason="mosquitto_pub not installed "
@@ -231,3 +242,104 @@ def test_a_fleet_of_four_with_one_poisoner_under_secure_aggregation_trains_on(
     promises = [r.message for r in caplog.records if "sums them in halves" in r.message]
     assert promises and all("or leaves one out" in m for m in promises)  # no promise of halves alone
     assert any("sits this session out" in r.message for r in caplog.records)
+
+
+# ---------------------------------------------------------------- a lying coordinator across sessions
+
+
+def test_real_agents_advertise_and_sign_once_per_session_across_sessions_and_restarts(
+        tmp_path: Path, tiny_artifacts: Path, mosquitto) -> None:
+    """Issue 39: a device signs the setup's digest and the survivor set, and the coordinator picks the session
+    id, so one that runs a session to the signatures, aborts it and runs it again with the same id and roster
+    (the same digest) could hand devices of the second run the first run's signatures on another survivor set
+    (on the kernel that recovered a device's input to 1.46e-8). Three real ORT agents, a coordinator scripted by
+    hand over Mosquitto: session 77 runs to the survivors' signatures, then RoundInfo names 78 (each advertises
+    fresh keys) and 77 again: nobody advertises in 77 a second time, nor does an agent restarted on its state
+    directory; their state directories name the sessions, mode 600."""
+    fleet, session = "replay", 77
+    manifest = Manifest.load(tiny_artifacts)
+    model = (tiny_artifacts / BASE_FILE).read_bytes()
+    impostor = Impostor(mosquitto.port, fleet)
+    model_frames = chunks(model, {"round": 1}, blob_id="r1", chunk_size=60_000)
+    for i, f in enumerate(model_frames):
+        impostor.publish(f"model/r1/{i}", f, retain=True)
+    info = {"v": 1, "round": 1, "rounds": 1, "state": "open", "deadline": time.time() + 600, "blob_id": "r1",
+            "size": len(model), "sha256": hashlib.sha256(model).hexdigest(), "count": len(model_frames),
+            "base_digest": manifest.base_digest, "secagg_session": session}
+    impostor.publish("round", to_json(info).encode(), retain=True)
+    logs: dict[str, list[str]] = {}
+    agents = make_agents(tmp_path, tiny_artifacts, mosquitto.url, fleet, 3, logs)
+    names = [a.config.client_id for a in agents]
+    stops = {name: threading.Event() for name in names}
+    threads = run_agents(agents, stops)
+
+    def relay(name: str, body: dict[str, Any]) -> None:
+        impostor.publish(f"relay/{name}", to_json({"v": 1, "round": 1, "session": session, **body}).encode())
+
+    def adverts_in(name: str, number: int) -> int:
+        with impostor.lock:
+            return len([m for m in impostor.inbox.get(name, [])
+                        if m["stage"] == "advertise" and m["session"] == number])
+
+    def wait_for_log(name: str, text: str) -> None:
+        for _ in range(300):
+            if any(text in line for line in logs[name]):
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"{name} never logged {text!r}: {logs[name]}")
+
+    try:
+        adverts = impostor.wait_for("advertise", names)
+        pack = {name: base64.b64encode(b"".join(base64.b64decode(adverts[name][k]) for k in (
+            "c_public", "s_public", "identity", "certificate", "signature"))).decode() for name in names}
+        length = sum(int(np.prod(t.shape)) for t in manifest.shared_tensors)
+        for i, name in enumerate(names):
+            relay(name, {"stage": "neighbours", "roster": names, "groups": [3], "index": i, "length": length,
+                         "clip": CLIP, "degree": 2, "threshold": 2, "value_bits": 30, "graph_seed": 0,
+                         "weight_scale": max(a.n_samples for a in agents),
+                         "adverts": {str(j): pack[other] for j, other in enumerate(names) if other != name}})
+        shares = impostor.wait_for("shares", names)
+        for i, name in enumerate(names):
+            relay(name, {"stage": "shares", "shares": {str(j): shares[other]["shares"][str(i)]
+                                                       for j, other in enumerate(names) if other != name}})
+        impostor.wait_for("received", names)
+        for name in names:
+            relay(name, {"stage": "mask", "excluded": []})
+        for name in names:
+            wait_for_log(name, "masked input sent")
+        for name in names:  # the first run's survivor set, signed by a majority: what a replay would hand out
+            relay(name, {"stage": "consistency", "survivors": [0, 1]})
+        signed = impostor.wait_for("consistency", ["dev0", "dev1"])
+        assert all(m["session"] == session for m in signed.values())
+        impostor.publish("round", to_json({**info, "secagg_session": session + 1}).encode(), retain=True)
+        impostor.wait_for("advertise", names, count=2)  # a new session: fresh keys, allowed
+        impostor.publish("round", to_json(info).encode(), retain=True)  # 77 again: the replay
+        for name in names:
+            wait_for_log(name, f"session {session}: not taking part: this device advertised keys in round 1 "
+                               f"session {session} already")
+        stops["dev0"].set()
+        threads[0].join(20)
+        restarted = Agent(agents[0].config, log=logs["dev0"].append)  # the same state directory
+        logs["dev0"].append("-- restarted --")
+        stops["dev0"] = threading.Event()
+        threads += run_agents([restarted], stops)
+        for _ in range(300):
+            if logs["dev0"].count("-- restarted --") and "not taking part" in logs["dev0"][-1]:
+                break
+            time.sleep(0.1)
+        time.sleep(1.0)
+    finally:
+        for stop in stops.values():
+            stop.set()
+        for thread in threads:
+            thread.join(20)
+        impostor.close()
+    assert [adverts_in(name, session) for name in names] == [1, 1, 1], impostor.inbox
+    assert [adverts_in(name, session + 1) for name in names] == [1, 1, 1]
+    after_restart = logs["dev0"][logs["dev0"].index("-- restarted --"):]
+    assert any("not taking part" in line and f"session {session} already" in line for line in after_restart), \
+        after_restart
+    for agent in agents:
+        path = agent.config.state_dir / ADVERTISED_FILE
+        assert json.loads(path.read_text()) == {"round": 1, "sessions": [session, session + 1]}
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
