@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,13 +33,20 @@ def printable(text: str) -> str:
 
 
 class Escaped(logging.Filter):
-    """Rewrites a record's arguments to printable text; numbers are left for their %d/%f formats."""
+    """Rewrites a record's arguments to printable text (numbers are left for their %d/%f formats), and the
+    message of an exception it carries (an internal error's may quote what a device sent)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple):
             record.args = tuple(self._escaped(arg) for arg in record.args)
         elif isinstance(record.args, dict):
             record.args = {key: self._escaped(arg) for key, arg in record.args.items()}
+        if record.exc_info and record.exc_info[1] is not None and not record.exc_text:
+            kind, error, trace = record.exc_info
+            text = str(error)
+            if not text.isprintable():  # the traceback's lines are the code's; the message is escaped
+                record.exc_text = ("Traceback (most recent call last):\n" + "".join(traceback.format_tb(trace)) +
+                                   f"{kind.__name__ if kind else 'Exception'}: {printable(text)}")
         return True
 
     @staticmethod

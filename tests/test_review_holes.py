@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import io
 import json
 import logging
 import math
@@ -134,6 +135,27 @@ def test_device_chosen_text_reaches_the_coordinators_log_escaped(mosquitto, tmp_
     for what in ("registered evil: 5 samples, software " + escaped + "\\x1b[2J", "digest_mismatch from liar"):
         [line] = [line for line in lines if what in line]  # the record is one line, the forgery inside it
         assert escaped + "\\x1b[2J" in line, (what, line)
+
+
+def test_an_exception_quoting_device_text_is_logged_on_its_own_lines() -> None:
+    """An internal error's message (the one record whose text is not the code's arguments) is escaped too; the
+    traceback's own lines stay lines."""
+    from fedper.coordinator.logs import log
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    log.addHandler(handler)
+    try:
+        try:
+            raise ValueError("bad" + FORGED + CLEAR_SCREEN)
+        except ValueError as e:
+            log.error("internal error on a message from %s", "dev" + CLEAR_SCREEN, exc_info=e)
+    finally:
+        log.removeHandler(handler)
+    text = stream.getvalue()
+    assert "\x1b" not in text and "\nValueError" in text and "Traceback (most recent call last):\n" in text
+    assert not [line for line in text.splitlines() if line.startswith("2026-11-28")], text
+    assert text.splitlines()[-1] == "ValueError: bad" + FORGED.replace("\n", "\\n") + "\\x1b[2J"
 
 
 # ---------------------------------------------------------------- state modes
