@@ -49,20 +49,25 @@ class CorruptCheckpoint(ValueError):
 def tightened_line(path: Path, tightened: list[str]) -> str:
     """The one line a role logs when `private_dir` tightened an existing state directory."""
     more = f" and {len(tightened) - 4} more" if len(tightened) > 4 else ""
-    return (f"state directory {path} was open to other users: group and others' access removed from "
+    return (f"state directory {path} was open to other users; group and others' access removed: "
             f"{', '.join(tightened[:4])}{more}")
 
 
 def private_dir(path: Path) -> list[str]:
     """Create `path` (mode 700) or take group's and others' access away from it and the files in it: what was
-    tightened, as "name (was 0644)", for the caller to say in one line (empty: nothing was)."""
+    tightened, as "name (was 0644)", for the caller to say in one line (empty: nothing was). An entry this user
+    does not own cannot be changed: it is named "(0755, not this user's: left as is)"."""
     path.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
     tightened: list[str] = []
     for entry in [path, *path.iterdir()]:
         mode = stat.S_IMODE(entry.lstat().st_mode)
         if mode & 0o077 and not entry.is_symlink():
-            entry.chmod(mode & ~0o077)
-            tightened.append(f"{entry.name if entry != path else '.'} (was {mode:04o})")
+            name = entry.name if entry != path else "."
+            try:
+                entry.chmod(mode & ~0o077)
+                tightened.append(f"{name} (was {mode:04o})")
+            except PermissionError:
+                tightened.append(f"{name} ({mode:04o}, not this user's: left as is)")
     return tightened
 
 
