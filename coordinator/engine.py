@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from fedper.coordinator.config import Config, Quotas
-from fedper.coordinator.logs import DeviceLog
+from fedper.coordinator.logs import DeviceLog, log
 from fedper.coordinator.quota import BURST_SECONDS, MessageRateLimit
 from fedper.coordinator.store import (
     BACKOFF_PREFIX,
@@ -54,8 +54,6 @@ from fedper.wire import (
     decode_chunk,
     decode_update_meta,
 )
-
-log = logging.getLogger("fedper.coordinator")
 
 MAX_REJECTED_PER_DEVICE = 1_000  # refused blob ids remembered per device (its later chunks are dropped unanswered)
 MAX_REJECTED_DEVICES = 10_000
