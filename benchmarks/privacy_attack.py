@@ -57,7 +57,7 @@ def cases(iterations: int, quick: bool) -> list[Case]:
                  Case(f"real update: {real} images, E=1, B=32", real, inv.Training(), codec,
                       iterations=max(iterations // 10, 1))]
     for z in (0.0, 0.1) if quick else (0.0, 0.01, 0.1, 1.0):
-        rows.append(Case("1 image, 1 step", 1, one, defence=f"clip C=|delta|, z={z:g}", noise=z,
+        rows.append(Case("1 image, 1 step", 1, one, defence=f"DP: clip to C = its norm, z={z:g}", noise=z,
                          iterations=iterations))
     for devices in (4,) if quick else (4, 16):
         rows.append(Case("1 image, 1 step", 1, one, defence=f"secure aggregation, sum of {devices}",
