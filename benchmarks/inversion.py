@@ -70,7 +70,7 @@ class Training:
     batch_size: int = 32
     lr: float = 0.01
     # "train": BatchNorm normalizes with each batch's statistics, as every device's graph does (the protocol);
-    # "eval": with the running statistics, which no device does: the literature's setting, to calibrate the attack
+    # "eval": with the running statistics, which no device does: the attack's easiest case, to calibrate it
     batchnorm: str = "train"
 
     def batches(self, n: int, seed: int, epoch: int) -> list[np.ndarray]:

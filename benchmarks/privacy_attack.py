@@ -8,8 +8,8 @@ B = 32, lr 0.01: the agent's defaults), each through the codecs fp32, fp16 and i
 encoder and decoder), then on the one-image update with DP-FedAvg's clipping and noise (fedper.privacy) at a
 few z, and under secure aggregation (the sum of several devices' updates, through fedper.secagg's kernel).
 The device's head never leaves it: the attacker optimizes a head of its own draw with the images. A last row
-calibrates the attack where the literature runs it: BatchNorm on running statistics (which no device does)
-and the head known. Every reconstruction is scored against the device's true images (scikit-image's PSNR and
+calibrates the attack where it is easiest: BatchNorm on running statistics (which no device does) and the
+head known. Every reconstruction is scored against the device's true images (scikit-image's PSNR and
 SSIM, best one-to-one match) next to images of uniform noise matched the same way. Writes
 privacy_attack.json and privacy_attack.md under --out, and the figure of the best and worst reconstructions.
 """
