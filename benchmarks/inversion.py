@@ -5,7 +5,7 @@ learning?", NeurIPS): dummy images are optimized with Adam on the signed gradien
 produce matches the observed one in cosine similarity, with a total-variation prior and the images boxed to the
 valid pixel range. For an update of several local steps (their multi-step "FedAvg" case) the attacker unrolls
 the device's SGD on the dummies, differentiably, and matches the resulting base difference. Written from the
-paper: the maintained-looking package (`breaching` 0.1.2 on PyPI) brings its own model zoo and hydra configs.
+paper: the one packaged implementation found on PyPI (`breaching` 0.1.2) brings its own model zoo and configs.
 
 What the attacker knows, and what it does not (FedPer's threat model, docs/privacy.md):
 - it knows the base it sent (the round model), the architecture and K_P, the training settings it sent (lr, E,
