@@ -309,3 +309,8 @@ def score(truth: np.ndarray, guesses: np.ndarray) -> Score:
 def random_baseline(truth: np.ndarray, count: int, seed: int = 0) -> Score:
     """The same score for `count` images of uniform noise: what a guess that saw nothing of the update gets."""
     return score(truth, np.random.default_rng(seed).random((count, *truth.shape[1:])))
+
+
+def grey_baseline(truth: np.ndarray) -> Score:
+    """The score of a flat mid-grey image for each: the smooth guess that saw nothing of the update."""
+    return score(truth, np.full_like(truth, 0.5))

@@ -10,7 +10,7 @@ few z, and under secure aggregation (the sum of several devices' updates, throug
 The device's head never leaves it: the attacker optimizes a head of its own draw with the images. A last row
 calibrates the attack where it is easiest: BatchNorm on running statistics (which no device does) and the
 head known. Every reconstruction is scored against the device's true images (scikit-image's PSNR and
-SSIM, best one-to-one match) next to images of uniform noise matched the same way. Writes
+SSIM, best one-to-one match) next to images of uniform noise matched the same way, and a flat mid-grey image. Writes
 privacy_attack.json and privacy_attack.md under --out, and the figure of the best and worst reconstructions.
 """
 
@@ -124,10 +124,12 @@ def attack_case(case: Case, setup: inv.Setup, model: torch.nn.Module, attack: in
     seconds = time.perf_counter() - start
     truth, guesses = inv.pixels(victim_x), inv.pixels(rebuilt)
     found, baseline = inv.score(truth, guesses), inv.random_baseline(truth, len(guesses))
+    grey = inv.grey_baseline(truth)
     return {"case": {**asdict(case), "training": asdict(case.training)},
             "signal_cosine": float(F.cosine_similarity(observed, true_delta, dim=0)),
             "final_loss": losses[-1], "first_loss": losses[0], "seconds": round(seconds, 1),
             "psnr": found.psnr, "ssim": found.ssim, "baseline_psnr": baseline.psnr, "baseline_ssim": baseline.ssim,
+            "grey_psnr": grey.psnr,
             "pairs": found.pairs, "truth": truth, "guesses": guesses}
 
 
@@ -178,10 +180,11 @@ def run(out: Path, quick: bool, iterations: int | None = None, pretrain_steps: i
         print(f"{case.scenario} | {case.codec} | {case.defence}: PSNR {r['psnr']:.1f} dB "
               f"(noise {r['baseline_psnr']:.1f}), {r['seconds']:.0f} s", flush=True)
     header = ["scenario", "codec", "defence", "iterations", "signal cos", "attack 1 - cos (first -> last)",
-              "PSNR dB", "SSIM", "noise PSNR dB", "noise SSIM"]
+              "PSNR dB", "SSIM", "noise PSNR dB", "noise SSIM", "grey PSNR dB"]
     body = [[r["case"]["scenario"], r["case"]["codec"], r["case"]["defence"], r["case"]["iterations"],
              round(r["signal_cosine"], 3), f"{r['first_loss']:.2f} -> {r['final_loss']:.2f}", round(r["psnr"], 1),
-             round(r["ssim"], 3), round(r["baseline_psnr"], 1), round(r["baseline_ssim"], 3)] for r in results]
+             round(r["ssim"], 3), round(r["baseline_psnr"], 1), round(r["baseline_ssim"], 3), round(r["grey_psnr"], 1)]
+            for r in results]
     text = (f"images: {source}; model: MobileNet-v1 width {setup.width}, K_P={setup.kp}, base after "
             f"{pretrain_steps} pretraining steps; {machine()}\n\n" + table(header, body))
     out.mkdir(parents=True, exist_ok=True)

@@ -127,6 +127,8 @@ def test_scores_take_the_best_match_and_agree_with_psnr_written_out() -> None:
     assert found.psnr == pytest.approx(expected, rel=1e-9)
     assert found.ssim > 0.5
     assert inv.random_baseline(truth, 4).psnr < found.psnr - 10
+    grey = np.mean([10 * np.log10(1 / np.mean((t - 0.5) ** 2)) for t in truth])
+    assert inv.grey_baseline(truth).psnr == pytest.approx(grey, rel=1e-9)
 
 
 def test_under_large_dp_noise_the_attack_does_no_better_than_fed_pure_noise(fleet) -> None:
