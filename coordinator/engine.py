@@ -1,8 +1,10 @@
 """The coordinator's engine: devices, rounds, selection and deadlines, as a state machine fed with
 decoded MQTT messages and the time.
 
-No I/O but its state directory: `handle(topic, payload, now)` and `tick(now)` return the messages to
-publish, so tests and fuzzers drive it without a broker and the paho loop stays thin. What is done
+No I/O: `start(now)`, `handle(topic, payload, now)` and `tick(now)` return effects, the writes the state
+directory must make (coordinator/effects.py) followed by the messages to publish; coordinator/durable.py
+carries them out, so tests and fuzzers drive it without a broker and the paho loop stays thin. The clock is
+an argument: `now` for events, `timer` for the figures that time the engine's own work. What is done
 with updates is the run's aggregation strategy (coordinator/strategies/); the engine branches on no
 mode. docs/architecture.md draws the parts, docs/reliability.md what a restart keeps.
 """
@@ -13,14 +15,15 @@ import hashlib
 import itertools
 import json
 import logging
-import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Set
+from collections.abc import Callable, Iterable, Mapping, Set
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from fedper.coordinator.config import Config, Quotas
+from fedper.coordinator.effects import Effect, Outbox
 from fedper.coordinator.logs import DeviceLog
 from fedper.coordinator.quota import BURST_SECONDS, MessageRateLimit
 from fedper.coordinator.store import (
@@ -31,7 +34,6 @@ from fedper.coordinator.store import (
     Folded,
     Registration,
     RoundRecord,
-    Store,
 )
 from fedper.coordinator.strategies import strategy_for
 from fedper.manifest import Manifest
@@ -68,11 +70,21 @@ class _Resent(WireError):
     again: docs/protocol.md calls it harmless): refused and counted as before, but no warning."""
 
 
-class Coordinator:
+@dataclass(frozen=True)
+class Saved:
+    """A state directory's checkpoint as the shell read it: state.json and the files it names."""
+
+    state: CoordinatorState
+    model: Mapping[str, np.ndarray]
+    registry: Mapping[str, Any]
+    backoff: Mapping[str, Any] | None
+
+
+class RoundEngine:
     """The fleet's rounds; what is done with their updates is `strategy`'s (a `Fleet` to it)."""
 
     def __init__(self, manifest: Manifest, initial: Mapping[str, np.ndarray], topics: Topics, config: Config,
-                 store: Store) -> None:
+                 outbox: Outbox, saved: Saved | None, timer: Callable[[], float]) -> None:
         self.selecting = config.selection.clients_per_round is not None  # else every registered device takes part
         seed = config.selection.selection_seed  # secret by default: no device learns its future rounds, and the
         self._seed = new_seed() if seed is None else seed  # fixed-size sampling under DP assumes it (docs/privacy.md)
@@ -82,8 +94,8 @@ class Coordinator:
         if config.selection.clients_per_round is not None:
             self._invitations = invitations(config.selection.clients_per_round, config.selection.over_select)
         self.answer_timeout = config.selection.answer_timeout or config.rounds.round_timeout / 2
-        self.manifest, self.topics, self.config, self.store = manifest, topics, config, store
-        self.strategy = strategy_for(config, manifest, store, topics, self)
+        self.manifest, self.topics, self.config, self.outbox, self._timer = manifest, topics, config, outbox, timer
+        self.strategy = strategy_for(config, manifest, outbox, topics, self)
         self.digest = manifest.base_digest
         self.model = decode_shared(manifest, encode_shared(manifest, initial))  # validated copy
         self.registered: dict[str, Registration] = {}
@@ -94,7 +106,6 @@ class Coordinator:
         self.finished = False
         self.online: set[str] = set()
         self._available: set[str] = set()  # online and registered, kept from those messages (no O(fleet) pass)
-        self.fold_seconds = 0.0  # spent folding and checkpointing accepted updates in this process (monitoring)
         self.bytes_sent = 0  # payload bytes the service published for this process (monitoring)
         self._reassembler, self._rate = self._quotas(config.quotas, config.rounds.chunk_size,
                                                         self.strategy.upload_size())
@@ -120,12 +131,11 @@ class Coordinator:
         self._registry_dirty = False  # a registration changed since the registry file was last written
         self._registry_file: str | None = None  # the registry file state.json names (None: nobody registered)
         self._written_registry: dict[str, Registration] = {}  # what that file holds
-        self._next_registry_commit = -1e18
+        self._next_registry_commit = self._paced_at = -1e18
         self._last_top_up = -1e18
         self._model_file = ""  # the open round's model file; "" until the first start writes it
         self._last_closed: tuple[int, frozenset[str]] = (0, frozenset())  # its number and whose update it folded
         self._onlines: dict[str, tuple[float, int]] = {}  # device -> (its window's first `online`, how many since)
-        saved = CoordinatorState.read(store)
         if saved is not None:
             self._resume(saved)
         else:
@@ -155,11 +165,11 @@ class Coordinator:
 
     # ------------------------------------------------------------ life cycle
 
-    def start(self, now: float) -> list[Outgoing]:
+    def start(self, now: float) -> list[Effect]:
         """Open the current round (round 1 on a fresh state directory) and announce it."""
         fresh = not self._model_file
         if fresh:
-            self._model_file = self.store.write_tensors("model-r1.safetensors", self.model)
+            self._model_file = self.outbox.write_tensors("model-r1.safetensors", self.model)
         selecting = self.selecting and not self.finished and not self.round.selected
         self._invited_at = dict.fromkeys(self.round.invited, now)  # resumed: answer from now on
         if selecting:
@@ -168,33 +178,32 @@ class Coordinator:
             self._commit(registry=True)
         self._opened_at = now
         self._deadline = now + self.config.rounds.round_timeout
-        return self.announce(now)
+        return [*self.outbox.drain(), *self.announce(now)]
 
-    def _resume(self, saved: CoordinatorState) -> None:
+    def _resume(self, loaded: Saved) -> None:
         """Pick up the checkpoint of an earlier run in the same state directory."""
+        saved = loaded.state
         if saved.base_digest != self.digest:
-            raise ValueError(f"{self.store.dir} holds the state of a run with another export (base_digest "
+            raise ValueError(f"{self.outbox.dir} holds the state of a run with another export (base_digest "
                              f"{saved.base_digest or None}): use a fresh --state-dir")
         if saved.fleet is not None and saved.fleet != self.topics.fleet:
-            raise ValueError(f"{self.store.dir} holds the state of fleet {saved.fleet!r}, not {self.topics.fleet!r}: "
+            raise ValueError(f"{self.outbox.dir} holds the state of fleet {saved.fleet!r}, not {self.topics.fleet!r}: "
                              f"resume it with --fleet {saved.fleet}, or use a fresh --state-dir")
-        self.model = decode_shared(self.manifest, encode_shared(self.manifest, self.store.read_tensors(saved.model)))
+        self.model = decode_shared(self.manifest, encode_shared(self.manifest, loaded.model))
         self._model_file = saved.model
-        registry = saved.inline_registry if saved.inline_registry is not None else \
-            self.store.read_registry(saved.registry)
-        self.registered = {device: Registration(**entry) for device, entry in registry.items()}
+        self.registered = {device: Registration(**entry) for device, entry in loaded.registry.items()}
         self._registry_file = saved.registry
         self._written_registry = dict(self.registered) if self._registry_file else {}
         if saved.inline_registry is not None:  # written before the registry had its own file: start() moves it
-            log.info("migrating %d registration(s) from %s into a registry file", len(self.registered), self.store.dir)
+            log.info("migrating %d registration(s) from %s into a registry file", len(self.registered), self.outbox.dir)
             self._registry_dirty = True
         self.counters = Counter(saved.counters)
-        if saved.backoff:
-            self.backoff = Backoff.from_json(self.store.read_registry(saved.backoff))
+        if loaded.backoff is not None:
+            self.backoff = Backoff.from_json(loaded.backoff)
             self._backoff_file = saved.backoff
         self.finished = saved.finished
         self.round = saved.round
-        self.store.trim_metrics(self.round.number if self.finished else self.round.number - 1)  # closed rounds'
+        self.outbox.trim_metrics(self.round.number if self.finished else self.round.number - 1)  # closed rounds'
         if not self.selecting:  # the open round keeps its invitations only when still selecting
             self.round.selected, self.round.invited, self.round.invite_cap = False, set(), 0
             self.round.carried = {}
@@ -204,16 +213,16 @@ class Coordinator:
             self.finished, self.round = False, RoundRecord(number + 1)  # its model: the final one
             self.strategy.open(self.round.number, self.model, finished=False)
             self._commit()
-            log.info("resumed from %s, finished after round %d: --rounds %d runs rounds %d to %d", self.store.dir,
+            log.info("resumed from %s, finished after round %d: --rounds %d runs rounds %d to %d", self.outbox.dir,
                      number, rounds, number + 1, rounds)
         elif self.finished:
-            log.info("resumed from %s: the run finished after round %d%s; nothing to do", self.store.dir, number,
+            log.info("resumed from %s: the run finished after round %d%s; nothing to do", self.outbox.dir, number,
                      " (stopped by its privacy budget)" if self.strategy.stopped else
                      f": --rounds {rounds + 1} or more would run more" if rounds == number else
                      f", past --rounds {rounds}")
         else:
             log.info("resumed from %s: round %d of %d, %d update(s) already accepted, %d device(s) registered%s",
-                     self.store.dir, number, rounds, len(self.round.folded), len(self.registered),
+                     self.outbox.dir, number, rounds, len(self.round.folded), len(self.registered),
                      f"; --rounds {rounds} is below it: the run finishes with this round" if number > rounds else "")
 
     def announce(self, now: float) -> list[Outgoing]:
@@ -235,7 +244,7 @@ class Coordinator:
             return True
         return self._rate.admit(device, now, upload=kind == "update")
 
-    def handle(self, topic: str, payload: bytes, now: float, *, admitted: bool = False) -> list[Outgoing]:
+    def handle(self, topic: str, payload: bytes, now: float, *, admitted: bool = False) -> list[Effect]:
         """One incoming message; a bad one is refused before it changes anything, logged once, counted and
         answered on its device's error topic (a chunk of a blob already refused is dropped: one answer per
         blob). admitted: `admit` passed it already (its rate token is spent). Raises only CheckpointError."""
@@ -243,23 +252,24 @@ class Coordinator:
         try:
             kind, device = self.topics.parse(topic)
             if not admitted and not self._rate.admit(device, now, upload=kind == "update"):
-                return self._count_rate_limited(now)
-            if kind == "register":
-                return self._on_register(device, payload, now)
-            if kind == "presence":
-                self._on_presence(device, payload, now)
-                return []
-            if kind == "update":
-                return self._on_update(device, payload, now)
-            return self._on_strategy_message(kind, device, payload, now)
+                out = self._count_rate_limited(now)
+            elif kind == "register":
+                out = self._on_register(device, payload, now)
+            elif kind == "presence":
+                out = self._on_presence(device, payload, now)
+            elif kind == "update":
+                out = self._on_update(device, payload, now)
+            else:
+                out = self._on_strategy_message(kind, device, payload, now)
         except WireError as e:
-            return self._reject(device, e.code, str(e), now, quiet=isinstance(e, _Resent))
+            out = self._reject(device, e.code, str(e), now, quiet=isinstance(e, _Resent))
         except CheckpointError:
             raise  # the service must stop unacknowledged: the broker redelivers to the restarted one
         except Exception as e:  # a bug must cost one message, never the service; the device hears of it
-            return self._reject(device, "internal_error", f"{type(e).__name__}: {e}", now, error=e)
+            out = self._reject(device, "internal_error", f"{type(e).__name__}: {e}", now, error=e)
+        return [*self.outbox.drain(), *out]
 
-    def tick(self, now: float) -> list[Outgoing]:
+    def tick(self, now: float) -> list[Effect]:
         """Count the messages the rate limit dropped; close the round when it is complete or its deadline has
         passed with a quorum; checkpoint changed registrations (at most once per state_interval) and publish
         the state when it changed."""
@@ -273,15 +283,17 @@ class Coordinator:
             out += self._top_up(now)
         dirty = self._registry_dirty or self._backoff_dirty
         if dirty and now >= self._next_registry_commit:  # registrations are checkpointed at this pace, however
-            started = time.perf_counter()  # often they change: a device re-registering must not buy an fsync each
-            self._commit(registry=True)
-            # an O(fleet) write takes at most a fifth of the engine's time: at 66,000 devices it took longer than
-            # state_interval, and a registration storm then bought one registry write per message (quadratic)
-            self._next_registry_commit = now + max(self.config.rounds.state_interval,
-                                                    4 * (time.perf_counter() - started))
+            self._commit(registry=True)  # often they change: a device re-registering must not buy an fsync each
+            self._paced_at, self._next_registry_commit = now, now + self.config.rounds.state_interval
         if self._state_dirty and now - self._last_state >= self.config.rounds.state_interval:
             out.append(self.state_message(now))
-        return out
+        return [*self.outbox.drain(), *out]
+
+    def note_registry_written(self, seconds: float) -> None:
+        """The shell wrote the registry this tick committed in `seconds`: an O(fleet) write takes at most a fifth
+        of the engine's time (at 66,000 devices it took longer than state_interval, and a registration storm then
+        bought one registry write per message: quadratic)."""
+        self._next_registry_commit = max(self._next_registry_commit, self._paced_at + 4 * seconds)
 
     def _advance(self, now: float) -> list[Outgoing]:
         """The strategy's own deadlines; then the round's rule: it closes at quorum (--min-clients, and the
@@ -363,7 +375,7 @@ class Coordinator:
             self._make_available(device)
         return []
 
-    def _on_presence(self, device: str, payload: bytes, now: float) -> None:
+    def _on_presence(self, device: str, payload: bytes, now: float) -> list[Outgoing]:
         status = bytes(payload)
         if status not in (b"online", b"offline", b""):  # b"": the retained presence cleared
             raise WireError("bad_message", f"presence must be online or offline, got {len(status)} other bytes")
@@ -380,6 +392,7 @@ class Coordinator:
             self._lapsed.add(device)  # it declined, or dropped out: the next top-up invites another
         if status == b"online":
             self._count_online(device, now)
+        return []
 
     def _count_online(self, device: str, now: float) -> None:
         """A device connects once and stays; one that says `online` ONLINE_BURST times within ONLINE_WINDOW_S is
@@ -427,10 +440,9 @@ class Coordinator:
             blob = self._reassembler.add(device, chunk)
             if blob is None:
                 return []
-            started = time.perf_counter()
             folded, out = self.strategy.accept(device, blob.data, meta, now)
             if folded:
-                self._folded(device, meta.n_samples, meta.metrics, started)
+                self._folded(device, meta.n_samples, meta.metrics)
         except CheckpointError:
             raise
         except Exception:  # refused as a whole blob: its other chunks are dropped, the device is answered once
@@ -444,12 +456,11 @@ class Coordinator:
         closed, folded = self._last_closed
         return device in (self.round.folded if round_ == self.round.number else folded if round_ == closed else ())
 
-    def _folded(self, device: str, n_samples: int, metrics: dict[str, float], started: float) -> None:
+    def _folded(self, device: str, n_samples: int, metrics: dict[str, float]) -> None:
         """The strategy folded (and checkpointed) the update: the round records it, then the commit."""
         self.round.folded[device] = Folded(n_samples, metrics)
         self.counters["accepted"] += 1
         self._commit(registry=self._written_registry.get(device) != self.registered.get(device))  # see _commit
-        self.fold_seconds += time.perf_counter() - started
         log.debug("round %d: accepted %s (%d samples, accuracy %s) [%d/%d]", self.round.number, device, n_samples,
                   metrics.get("accuracy", "n/a"), len(self.round.folded), self.invited_count)
 
@@ -649,14 +660,14 @@ class Coordinator:
     # ------------------------------------------------------------ rounds
 
     def _close_round(self, now: float) -> list[Outgoing]:
-        started = time.perf_counter()
+        started = self._timer()
         closed = self.round
         release = self.strategy.release(closed)
         if release.contributors is not None:  # known only now (a secure sum)
             closed.folded = release.contributors
             self.counters["accepted"] += len(closed.folded)
         self.model = {t.name: release.model[t.name].astype(t.dtype) for t in self.manifest.shared_tensors}
-        aggregate_s = time.perf_counter() - started
+        aggregate_s = self._timer() - started
         record = self._metrics(closed, now, aggregate_s)
         last = closed.number >= self.config.rounds.rounds
         record.update(self.strategy.record(closed, last))  # a DP strategy then adapts its clip norm
@@ -669,12 +680,12 @@ class Coordinator:
             self._select(now, carried, closed.invited - carried.keys())
         self._rejected.clear()
         self._new_attempt()
-        self._model_file = self.store.write_tensors(f"model-r{closed.number + 1}.safetensors", self.model)
+        self._model_file = self.outbox.write_tensors(f"model-r{closed.number + 1}.safetensors", self.model)
         self.strategy.open(self.round.number, self.model, self.finished)
         self._drop_uploads()
         if self.finished:
-            self.store.write_tensors(FINAL_FILE, self.model)
-        self.store.append_metrics(record)  # before the commit that closes the round: a restart trims it if need be
+            self.outbox.write_tensors(FINAL_FILE, self.model)
+        self.outbox.append_metrics(record)  # before the commit that closes the round: a restart trims it if need be
         self._commit(registry=True)  # once a round, registrations changed since the last tick go with it
         mean, std = record["accuracy_mean"], record["accuracy_std"]
         log.info("round %d closed: %d participant(s), %d samples, %.1f KiB received; the devices' accuracy of round "
@@ -734,17 +745,17 @@ class Coordinator:
         its own device's registration is not in the file yet (a restart then knows every folded device):
         otherwise its commit is O(round + model) whatever the fleet's size."""
         if registry and self._registry_dirty:
-            self._registry_file = self.store.write_registry(
+            self._registry_file = self.outbox.write_registry(
                 {device: entry.to_json() for device, entry in self.registered.items()})
             self._written_registry = dict(self.registered)
             self._registry_dirty = False
         if registry and self._backoff_dirty:  # as the registry: O(devices backed off), not in every commit
             misses = self.backoff.to_json()
-            self._backoff_file = self.store.write_registry(misses, BACKOFF_PREFIX) if misses else None
+            self._backoff_file = self.outbox.write_registry(misses, BACKOFF_PREFIX) if misses else None
             self._backoff_dirty = False
-        CoordinatorState(self.digest, self._model_file, self.round, self.counters, self.finished,
-                         self._registry_file, self.strategy.checkpoint(), backoff=self._backoff_file,
-                         fleet=self.topics.fleet).write(self.store)
+        self.outbox.commit(CoordinatorState(self.digest, self._model_file, self.round, self.counters, self.finished,
+                                            self._registry_file, self.strategy.checkpoint(), backoff=self._backoff_file,
+                                            fleet=self.topics.fleet).to_json())
         self._state_dirty = True
 
     # ------------------------------------------------------------ outgoing

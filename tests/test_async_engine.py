@@ -19,7 +19,8 @@ from scipy.stats import norm
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
 from fedper import selection
-from fedper.coordinator.engine import Config, Coordinator
+from fedper.coordinator.config import Config
+from fedper.coordinator.durable import Coordinator
 from fedper.coordinator.store import FINAL_FILE, METRICS_FILE, Store
 from fedper.coordinator.strategies.mean import PARTIAL_EVERY
 from fedper.manifest import Manifest, ModelInfo, TensorSpec

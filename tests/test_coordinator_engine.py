@@ -13,8 +13,9 @@ from helpers.toy_export import write_toy_export
 from safetensors.numpy import load_file
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
-from fedper.coordinator.engine import Config, Coordinator, Registration
-from fedper.coordinator.store import Store
+from fedper.coordinator.config import Config
+from fedper.coordinator.durable import Coordinator
+from fedper.coordinator.store import Registration, Store
 from fedper.payload import encode_shared
 from fedper.wire import ErrorMessage, Register, RoundInfo, Topics, UpdateMeta, chunk
 
@@ -664,3 +665,36 @@ def test_the_settings_name_exactly_the_aggregation_rules_there_are() -> None:
     from fedper.coordinator.strategies.mean import AGGREGATORS
 
     assert tuple(AGGREGATORS) == AGGREGATOR_NAMES
+
+
+def test_the_engine_writes_nothing_itself_and_returns_its_writes_before_its_messages(tmp_path: Path) -> None:
+    """The pure engine: every write is an effect, in the order decided, ahead of the messages; a clock it reads
+    only through `timer`. The shell (Coordinator) carrying them out gives the same files as before."""
+    from fedper.coordinator.effects import AppendMetrics, Commit, Outbox, WriteFile, WriteSlot, WriteTensors
+    from fedper.coordinator.engine import RoundEngine
+    from fedper.wire import Outgoing
+
+    config = Config.of(rounds=2, min_clients=2, round_timeout=10.0, chunk_size=50)
+    engine = RoundEngine(MANIFEST, tiny_tensors(), TOPICS, config, Outbox(Store(tmp_path)), None, lambda: 0.0)
+    effects = engine.start(0.0)
+    kinds = [type(e).__name__ for e in effects]
+    assert kinds[:2] == ["WriteTensors", "Commit"] and set(kinds[2:]) == {"Outgoing"}
+    for device, n in (("a", 10), ("b", 30)):
+        registration = Register(n, MANIFEST.base_digest, "t/1").encode()
+        assert all(isinstance(e, Outgoing) for e in engine.handle(TOPICS.register(device), registration, 0.0))
+    folded = []
+    for device, n in (("a", 10), ("b", 30)):
+        meta = UpdateMeta(1, n, MANIFEST.base_digest, {"accuracy": 0.5}, "fp32")
+        for frame in chunk(encode_shared(MANIFEST, shifted(1.0)), 40, "u", meta.to_dict()):
+            folded += engine.handle(TOPICS.update(device), frame, 1.0)
+    # a's commit first writes the registry (both registrations), which it names; b's needs none
+    assert [type(e) for e in folded] == [WriteSlot, WriteFile, Commit, WriteSlot, Commit]
+    assert folded[2].state["registry"] == folded[1].name and b'"b"' in folded[1].data
+    assert folded[2].state["round"]["folded"].keys() == {"a"}  # a snapshot: b came after it
+    closing = engine.tick(2.0)
+    writes = [e for e in closing if not isinstance(e, Outgoing)]
+    assert [type(e) for e in writes] == [WriteTensors, AppendMetrics, Commit]
+    assert writes[0].name == writes[2].state["model"] == "model-r2.safetensors"
+    assert writes[1].record["round"] == 1 and writes[1].record["aggregate_s"] == 0.0  # the timer given
+    assert closing.index(writes[-1]) < min(closing.index(m) for m in closing if isinstance(m, Outgoing))
+    assert list(tmp_path.iterdir()) == []  # the engine wrote nothing

@@ -26,7 +26,8 @@ from helpers.processes import Processes, agent_args, coordinator_args, finish, w
 from helpers.recording import Recorder
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
-from fedper.coordinator.engine import Config, Coordinator
+from fedper.coordinator.config import Config
+from fedper.coordinator.durable import Coordinator
 from fedper.coordinator.quota import REPORT_EVERY_S, MessageRateLimit
 from fedper.coordinator.store import Store
 from fedper.manifest import Manifest
