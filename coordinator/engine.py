@@ -11,7 +11,6 @@ mode. docs/architecture.md draws the parts, docs/reliability.md what a restart k
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import logging
@@ -22,14 +21,14 @@ from typing import Any
 
 import numpy as np
 
-from fedper.coordinator.config import Config, Quotas
+from fedper.coordinator.announcements import Announcements
+from fedper.coordinator.config import Config
 from fedper.coordinator.effects import Effect, Outbox
+from fedper.coordinator.intake import Intake, Resent
 from fedper.coordinator.logs import DeviceLog
-from fedper.coordinator.quota import BURST_SECONDS, MessageRateLimit
 from fedper.coordinator.store import (
     BACKOFF_PREFIX,
     FINAL_FILE,
-    CheckpointError,
     CoordinatorState,
     Folded,
     Registration,
@@ -41,20 +40,13 @@ from fedper.payload import decode_shared, encode_shared
 from fedper.selection import Backoff, Ranking, check_seed, invitations, new_seed, sit_out_rounds
 from fedper.wire import (
     MAX_ERROR_TEXT,
-    Chunk,
     ErrorMessage,
-    Invitation,
     Outgoing,
-    Reassembler,
     Register,
-    RoundInfo,
     Topics,
     UpdateMeta,
     WireError,
-    chunk,
-    chunk_count,
     decode_chunk,
-    decode_update_meta,
 )
 
 log = logging.getLogger("fedper.coordinator")
@@ -63,11 +55,6 @@ MAX_REJECTED_PER_DEVICE = 1_000  # refused blob ids remembered per device (its l
 MAX_REJECTED_DEVICES = 10_000
 DEFAULT_REASSEMBLY_BYTES = 1 << 30  # all devices' partial uploads together, unless 4 devices' quotas are more
 ONLINE_BURST, ONLINE_WINDOW_S = 4, 120.0  # a device saying `online` this often this quickly is said: two with one id?
-
-
-class _Resent(WireError):
-    """An update this coordinator already accepted, sent again (a device resends at every RoundInfo it sees
-    again: docs/protocol.md calls it harmless): refused and counted as before, but no warning."""
 
 
 @dataclass(frozen=True)
@@ -107,12 +94,7 @@ class RoundEngine:
         self.online: set[str] = set()
         self._available: set[str] = set()  # online and registered, kept from those messages (no O(fleet) pass)
         self.bytes_sent = 0  # payload bytes the service published for this process (monitoring)
-        self._reassembler, self._rate = self._quotas(config.quotas, config.rounds.chunk_size,
-                                                        self.strategy.upload_size())
-        self._rejected: dict[str, set[str]] = {}  # device -> blob ids refused (and answered) in the open round
-        self._metas: dict[str, tuple[str, dict, UpdateMeta]] = {}  # device -> its blob's checked meta, this round
-        self._started: dict[str, set[str]] = {}  # device -> update blob ids it started in this round's attempt
-        self._muted: set[str] = set()  # devices past --max-uploads-per-round in this attempt
+        self._intake = Intake(config.quotas, config.rounds.chunk_size, self.strategy.upload_size(), topics)
         self._log = DeviceLog(log)  # per-device records at a bounded rate (coordinator/logs.py)
         # liveness of the open round's invitations (--clients-per-round), in this process: restarts begin afresh
         self.backoff = Backoff()  # devices that left invitations unanswered (fedper/selection.py), checkpointed
@@ -124,8 +106,7 @@ class RoundEngine:
         self._deadline = 0.0
         self._opened_at = 0.0
         self._broadcast_s = 0.0
-        self._model_blob: tuple[str, bytes, list[bytes], str] | None = None  # id, blob, frames, sha256
-        self._published_blob: tuple[str, int] | None = None  # retained chunks to clear when the model changes
+        self._announcements = Announcements(manifest, topics, config.rounds.chunk_size)
         self._state_dirty = True
         self._last_state = -1e18
         self._registry_dirty = False  # a registration changed since the registry file was last written
@@ -242,7 +223,7 @@ class RoundEngine:
             kind, device = self.topics.parse(topic)
         except WireError:
             return True
-        return self._rate.admit(device, now, upload=kind == "update")
+        return self._intake.admit(device, kind, now)
 
     def handle(self, topic: str, payload: bytes, now: float, *, admitted: bool = False) -> list[Effect]:
         """One incoming message; a bad one is refused before it changes anything, logged once, counted and
@@ -251,7 +232,7 @@ class RoundEngine:
         device = None
         try:
             kind, device = self.topics.parse(topic)
-            if not admitted and not self._rate.admit(device, now, upload=kind == "update"):
+            if not admitted and not self._intake.admit(device, kind, now):
                 out = self._count_rate_limited(now)
             elif kind == "register":
                 out = self._on_register(device, payload, now)
@@ -262,9 +243,7 @@ class RoundEngine:
             else:
                 out = self._on_strategy_message(kind, device, payload, now)
         except WireError as e:
-            out = self._reject(device, e.code, str(e), now, quiet=isinstance(e, _Resent))
-        except CheckpointError:
-            raise  # the service must stop unacknowledged: the broker redelivers to the restarted one
+            out = self._reject(device, e.code, str(e), now, quiet=isinstance(e, Resent))
         except Exception as e:  # a bug must cost one message, never the service; the device hears of it
             out = self._reject(device, "internal_error", f"{type(e).__name__}: {e}", now, error=e)
         return [*self.outbox.drain(), *out]
@@ -321,8 +300,8 @@ class RoundEngine:
             return []
         self.strategy.open(self.round.number, self.model, finished=False)
         self._deadline = max(self._deadline, now + self.config.rounds.round_timeout)
-        self._reassembler.discard()
-        self._new_attempt()
+        self._intake.reassembler.discard()
+        self._intake.new_attempt()
         self._state_dirty = True
         return [self._round_message()]
 
@@ -408,48 +387,38 @@ class RoundEngine:
 
     def _on_update(self, device: str, payload: bytes, now: float) -> list[Outgoing]:
         self.round.bytes_received += len(payload)
-        if device in self._muted:  # a message admitted before it was muted: counted, dropped unread
-            self.counters["over_quota"] += 1
-            self.round.rejected["over_quota"] += 1
+        if self._intake.muted(device):  # a message admitted before it was muted: counted, dropped unread
+            self._count(Counter(over_quota=1), state=False)
             return []
         chunk = decode_chunk(payload)  # its declared size is checked below, once per blob
-        if chunk.blob_id in self._rejected.get(device, ()):
+        if self._intake.refused(device, chunk.blob_id):
             return []  # the rest of a blob already refused (and answered) once
         try:
-            self._start_upload(device, chunk.blob_id)
-            registration = self.registered.get(device)
-            if registration is None:
-                raise WireError("unknown_device", f"{device} has not registered: publish register/{device} first")
-            meta = self._update_meta(device, chunk)
-            if self._accepted(device, meta.round):
-                raise _Resent("duplicate_update" if meta.round == self.round.number else "late_update",
-                              f"round {meta.round} update already accepted from {device}")
-            self.strategy.check(meta)  # the round it is for, its codec
-            if self.selecting and device not in self.round.invited:  # before reassembly: it costs no memory
-                raise WireError("not_invited", f"{device} is not invited to round {meta.round}: wait for an "
-                                f"invitation on {self.topics.invite(device)}")
-            if meta.base_digest != self.digest:
-                raise WireError("digest_mismatch", f"update base_digest {meta.base_digest} is not {self.digest}")
-            if meta.n_samples > self.config.quotas.max_samples_per_device:  # registered under a higher cap earlier
-                raise WireError("too_many_samples", f"n_samples {meta.n_samples} is above --max-samples-per-device "
-                                f"{self.config.quotas.max_samples_per_device}")
-            if meta.n_samples != registration.n_samples:
-                raise WireError("n_samples_mismatch", f"the update claims {meta.n_samples} samples, {device} "
-                                f"registered {registration.n_samples}: re-register, then resend")
+            meta = self._intake.check(device, chunk, self.registered.get(device), self.round.number,
+                                      lambda meta: self._check_round(device, meta))
             self._note_answer(device)
-            blob = self._reassembler.add(device, chunk)
+            blob = self._intake.reassembler.add(device, chunk)
             if blob is None:
                 return []
             folded, out = self.strategy.accept(device, blob.data, meta, now)
-            if folded:
-                self._folded(device, meta.n_samples, meta.metrics)
-        except CheckpointError:
-            raise
         except Exception:  # refused as a whole blob: its other chunks are dropped, the device is answered once
-            self._remember_rejected(device, chunk.blob_id)
-            self._reassembler.discard(device)
+            self._intake.refuse(device, chunk.blob_id)
             raise
+        if folded:
+            self._folded(device, meta.n_samples, meta.metrics)
         return out + self._settle(now)
+
+    def _check_round(self, device: str, meta: UpdateMeta) -> None:
+        """Refuse an update its round does not take: accepted already, another round, not invited, another export."""
+        if self._accepted(device, meta.round):
+            raise Resent("duplicate_update" if meta.round == self.round.number else "late_update",
+                         f"round {meta.round} update already accepted from {device}")
+        self.strategy.check(meta)  # the round it is for, its codec
+        if self.selecting and device not in self.round.invited:  # before reassembly: it costs no memory
+            raise WireError("not_invited", f"{device} is not invited to round {meta.round}: wait for an "
+                            f"invitation on {self.topics.invite(device)}")
+        if meta.base_digest != self.digest:
+            raise WireError("digest_mismatch", f"update base_digest {meta.base_digest} is not {self.digest}")
 
     def _accepted(self, device: str, round_: int) -> bool:
         """Whether this device's update for `round_` was folded: in the open round, or in the one closed last."""
@@ -483,9 +452,7 @@ class RoundEngine:
         """Count, log (one record, with the traceback of an internal `error`; `quiet`: a harmless resend, at debug
         level; at most LOG_BURST a device per LOG_WINDOW_S, then a summary: coordinator/logs.py) and answer a
         refused message; a topic that names no device has nobody to answer."""
-        self.counters[code] += 1
-        self.round.rejected[code] += 1
-        self._state_dirty = True
+        self._count(Counter({code: 1}))
         self._log.log(now, device or "?", f"rejected {code}", logging.DEBUG if quiet else logging.WARNING,
                       "rejected %s from %s: %s", code, device or "?", message, exc_info=error)
         if device is None:
@@ -493,82 +460,17 @@ class RoundEngine:
         answer = ErrorMessage(code, message[:MAX_ERROR_TEXT], self.round.number)
         return [Outgoing(self.topics.error(device), answer.encode())]
 
-    @staticmethod
-    def _quotas(quotas: Quotas, chunk_size: int, blob: int) -> tuple[Reassembler, MessageRateLimit]:
-        """Per-device quotas (docs/reliability.md, "Untrusted devices"): in-flight uploads, their
-        bytes and the message rate, each sized so that an honest device's upload (`blob` bytes) always fits."""
-        per_device = quotas.max_upload_bytes_per_device or 2 * blob + Reassembler.PARTIAL_COST
-        everyone = quotas.max_reassembly_bytes or max(DEFAULT_REASSEMBLY_BYTES, 4 * per_device)
-        if per_device < blob or everyone < per_device:
-            raise ValueError(f"--max-upload-bytes-per-device ({per_device}) must hold one update of the model "
-                             f"({blob} bytes) and --max-reassembly-bytes ({everyone}) one device's quota")
-        reassembler = Reassembler(blob, quotas.max_open_blobs, max_blobs_per_source=quotas.max_uploads_per_device,
-                                  max_bytes_per_source=per_device, max_bytes=everyone)
-        upload = chunk_count(blob, chunk_size)  # messages of one update at the coordinator's chunk size
-        rate = quotas.max_messages_per_second
-        return reassembler, MessageRateLimit(rate, burst=max(BURST_SECONDS * rate, 2 * upload + 16))
-
-    def _start_upload(self, device: str, blob_id: str) -> None:
-        """Count the update blobs (any blob id, refused ones too) the device started in this attempt of the
-        round; past --max-uploads-per-round it is answered once and muted: its uploads are dropped unread (by
-        `admit` in the network thread, here for those admitted before) until the next attempt. A device
-        opening uploads it never finishes then costs a set lookup a message, not a decode."""
-        started = self._started.setdefault(device, set())
-        if blob_id in started:
-            return
-        quota = self.config.quotas.max_uploads_per_round
-        if len(started) >= quota:
-            self._muted.add(device)
-            self._rate.mute(device)
-            raise WireError("over_quota", f"{device} started {quota} update blobs in round {self.round.number} "
-                            f"(--max-uploads-per-round): its update messages are dropped until the next round")
-        started.add(blob_id)
-
-    def _new_attempt(self) -> None:
-        """A round (or a new attempt at it) opens: upload quotas start afresh."""
-        self._started.clear()
-        self._muted.clear()
-        self._rate.unmute_all()
-
     def _count_rate_limited(self, now: float) -> list[Outgoing]:
-        """Messages dropped unread since the last call (here or by `admit` in the service's network thread):
-        all counted; logged and answered once per report window per device. Uploads of a muted device are
-        counted as over_quota (the device was answered when it was muted)."""
-        for count in self._rate.take_muted().values():
-            self.counters["over_quota"] += count
-            self.round.rejected["over_quota"] += count
-            self._state_dirty = True
-        out: list[Outgoing] = []
-        for device, count in self._rate.take_dropped().items():
-            self.counters["rate_limited"] += count
-            self.round.rejected["rate_limited"] += count
-            self._state_dirty = True
-            dropped = self._rate.report_due(device, now)
-            if dropped:
-                message = (f"dropped {dropped} message(s) unread since the last report: above "
-                           f"--max-messages-per-second {self.config.quotas.max_messages_per_second:g}")
-                log.warning("rate_limited %s: %s", device, message)
-                out.append(Outgoing(self.topics.error(device),
-                                    ErrorMessage("rate_limited", message, self.round.number).encode()))
+        """Messages dropped unread since the last call, counted; answered once per report window per device."""
+        counts, out = self._intake.rate_limited(now, self.round.number)
+        self._count(counts)
         return out
 
-    def _update_meta(self, device: str, frame: Chunk) -> UpdateMeta:
-        """The chunk's meta, every field checked (types, ranges, metrics' names and values): once per blob, as
-        every chunk of a blob repeats its meta (the reassembler refuses one that differs), not once per chunk."""
-        blob_id, raw, meta = self._metas.get(device, (None, None, None))
-        if meta is None or blob_id != frame.blob_id or raw != frame.meta:
-            meta = decode_update_meta(frame.meta)
-            self._metas[device] = (frame.blob_id, frame.meta, meta)
-        return meta
-
-    def _remember_rejected(self, device: str, blob_id: str) -> None:
-        """Per device, so that one device's flood of refused blobs never makes another's be answered twice."""
-        if device not in self._rejected and len(self._rejected) >= MAX_REJECTED_DEVICES:
-            self._rejected.clear()
-        refused = self._rejected.setdefault(device, set())
-        if len(refused) >= MAX_REJECTED_PER_DEVICE:
-            refused.clear()
-        refused.add(blob_id)
+    def _count(self, counts: Counter[str], state: bool = True) -> None:
+        """Refusals counted for the run and the open round (and, with `state`, the state message updated)."""
+        self.counters.update(counts)
+        self.round.rejected.update(counts)
+        self._state_dirty |= state and bool(counts)
 
     # ------------------------------------------------------------ selection (--clients-per-round)
 
@@ -678,11 +580,9 @@ class RoundEngine:
         if self.selecting and not self.finished:
             carried = self._carried(closed)
             self._select(now, carried, closed.invited - carried.keys())
-        self._rejected.clear()
-        self._new_attempt()
         self._model_file = self.outbox.write_tensors(f"model-r{closed.number + 1}.safetensors", self.model)
         self.strategy.open(self.round.number, self.model, self.finished)
-        self._drop_uploads()
+        self._intake.new_round(self.finished, self._takes)
         if self.finished:
             self.outbox.write_tensors(FINAL_FILE, self.model)
         self.outbox.append_metrics(record)  # before the commit that closes the round: a restart trims it if need be
@@ -693,10 +593,9 @@ class RoundEngine:
                  record["participants"], record["n_samples"], record["bytes_received"] / 1024, closed.number,
                  "none reported" if mean is None else f"{mean:.4f} ± {std:.4f}")
         self._opened_at, self._deadline, self._broadcast_s = now, now + self.config.rounds.round_timeout, 0.0
-        self._model_blob = None
+        self._announcements.forget_model()
         stale = sorted(closed.invited - self.round.invited)  # retained invitations of the closed round
-        cleared = [Outgoing(self.topics.invite(device), b"", retain=True) for device in stale]
-        return cleared + self.announce(now)
+        return self._announcements.cleared(stale) + self.announce(now)
 
     def _carried(self, closed: RoundRecord) -> dict[str, int]:
         """The closed round's invitations not answered yet (its own and those it carried) whose round the next
@@ -705,19 +604,13 @@ class RoundEngine:
         waiting = closed.invited - self.strategy.answered(closed.folded.keys())
         return {device: r for device in waiting if (r := closed.carried.get(device, closed.number)) >= oldest}
 
-    def _drop_uploads(self) -> None:
-        """A round opened: drop the partial uploads it does not take (every one after a synchronous round; a
-        buffered round still takes those for earlier rounds, which a release must not cost their devices)."""
-        if self.finished:
-            self._metas.clear()
-            self._reassembler.discard()
-            return
-        for device, (_, _, meta) in list(self._metas.items()):
-            try:
-                self.strategy.check(meta)
-            except WireError:
-                del self._metas[device]
-                self._reassembler.discard(device)
+    def _takes(self, meta: UpdateMeta) -> bool:
+        """Whether the open round still takes an update with this meta (a partial upload is kept for it)."""
+        try:
+            self.strategy.check(meta)
+        except WireError:
+            return False
+        return True
 
     def _metrics(self, closed: RoundRecord, now: float, aggregate_s: float) -> dict[str, Any]:
         accuracies = [f.metrics["accuracy"] for f in closed.folded.values() if "accuracy" in f.metrics]
@@ -770,35 +663,14 @@ class RoundEngine:
         return "final" if self.finished else f"r{self.round.number}"
 
     def _model_messages(self) -> list[Outgoing]:
-        blob_id = self.blob_id
-        if self._model_blob is None or self._model_blob[0] != blob_id:
-            blob = encode_shared(self.manifest, self.model)
-            frames = chunk(blob, self.config.rounds.chunk_size, blob_id, {"round": self.round.number})
-            # the digest its frames carry: the model is hashed once per round (by chunk), not per announcement
-            self._model_blob = (blob_id, blob, frames, decode_chunk(frames[0]).sha256)
-        out = []
-        if self._published_blob and self._published_blob[0] != blob_id:  # clear the old round's retained chunks
-            old_id, old_count = self._published_blob
-            out += [Outgoing(self.topics.model(old_id, i), b"", retain=True) for i in range(old_count)]
-        frames = self._model_blob[2]
-        self._published_blob = (blob_id, len(frames))
-        out += [Outgoing(self.topics.model(blob_id, i), f, retain=True, broadcast=True) for i, f in enumerate(frames)]
-        return out
+        return self._announcements.model(self.blob_id, self.round.number, self.model)
 
     def _round_message(self) -> Outgoing:
-        blob_id, blob, frames, digest = self._model_blob or (None, b"", [], hashlib.sha256(b"").hexdigest())
-        info = RoundInfo(
-            round=self.round.number, rounds=self.config.rounds.rounds, state="finished" if self.finished else "open",
-            deadline=self._deadline, blob_id=str(blob_id), size=len(blob), sha256=digest,
-            count=len(frames), base_digest=self.digest,
-            **({"selection": "invited", "next_selection_at": self._deadline} if self.round.selected else {}),
-            **self.strategy.round_fields(),
-        )
-        return Outgoing(self.topics.round, info.encode(), retain=True)
+        return self._announcements.round_info(self.round.number, self.config.rounds.rounds, self.finished,
+                                              self._deadline, self.round.selected, self.strategy.round_fields())
 
     def _invitation(self, device: str) -> Outgoing:
-        round_ = self.round.carried.get(device, self.round.number)
-        return Outgoing(self.topics.invite(device), Invitation(round_).encode(), retain=True)
+        return self._announcements.invitation(device, self.round.carried.get(device, self.round.number))
 
     @property
     def invited_count(self) -> int:

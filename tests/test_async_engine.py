@@ -269,10 +269,10 @@ def test_a_synchronous_round_still_drops_uploads_under_way_when_it_closes(tmp_pa
     frames = chunks(safetensors(plus(c.model, 1.0)), {"round": 1, "n_samples": 10,
                                                       "base_digest": MANIFEST.base_digest}, "part", 32)
     c.handle(TOPICS.update(device), frames[0], 1.0)
-    assert len(c._reassembler) == 1
+    assert len(c._intake.reassembler) == 1
     assert send(c, device, plus(c.model, 1.0), 1, 10, blob_id="whole") == []
     c.tick(2.0)
-    assert c.round.number == 2 and len(c._reassembler) == 0
+    assert c.round.number == 2 and len(c._intake.reassembler) == 0
 
 
 @pytest.mark.parametrize("aggregator", ["mean", "median"])

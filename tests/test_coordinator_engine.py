@@ -431,11 +431,11 @@ def test_an_update_from_a_device_not_invited_is_refused_at_its_first_chunk_witho
     outsider = next(d for d in DEVICES[:6] if d not in invitations)
     out = upload(c, outsider, frames=1)
     assert errors(out) == ["not_invited"] and out[0].topic == TOPICS.error(outsider)
-    assert len(c._reassembler) == 0 and c._reassembler.bytes == 0  # nothing held for it
+    assert len(c._intake.reassembler) == 0 and c._intake.reassembler.bytes == 0  # nothing held for it
     assert upload(c, outsider) == []  # the rest of the refused blob: dropped unanswered, one answer per blob
     assert c.counters["not_invited"] == 1 and c.round.rejected["not_invited"] == 1 and not c.round.folded
     upload(c, sorted(invitations)[0], frames=1)
-    assert len(c._reassembler) == 1  # an invited device's first chunk is reassembled: the check above can fail
+    assert len(c._intake.reassembler) == 1  # an invited device's first chunk is reassembled: the check above can fail
     assert "`not_invited`" in (Path(__file__).parents[1] / "docs" / "protocol.md").read_text()
 
 
