@@ -26,6 +26,7 @@ from fedper.coordinator.config import Config
 from fedper.coordinator.effects import Effect, Outbox
 from fedper.coordinator.intake import Intake, Resent
 from fedper.coordinator.logs import DeviceLog
+from fedper.coordinator.registry import Registry
 from fedper.coordinator.store import (
     BACKOFF_PREFIX,
     FINAL_FILE,
@@ -51,10 +52,6 @@ from fedper.wire import (
 
 log = logging.getLogger("fedper.coordinator")
 
-MAX_REJECTED_PER_DEVICE = 1_000  # refused blob ids remembered per device (its later chunks are dropped unanswered)
-MAX_REJECTED_DEVICES = 10_000
-DEFAULT_REASSEMBLY_BYTES = 1 << 30  # all devices' partial uploads together, unless 4 devices' quotas are more
-ONLINE_BURST, ONLINE_WINDOW_S = 4, 120.0  # a device saying `online` this often this quickly is said: two with one id?
 
 
 @dataclass(frozen=True)
@@ -85,14 +82,10 @@ class RoundEngine:
         self.strategy = strategy_for(config, manifest, outbox, topics, self)
         self.digest = manifest.base_digest
         self.model = decode_shared(manifest, encode_shared(manifest, initial))  # validated copy
-        self.registered: dict[str, Registration] = {}
-        self._median: tuple[int, float | None] = (-1, None)  # (registrations it counts, median n_samples)
-        self._registrations = 0  # changes to `registered` in this process: when _median is out of date
+        self._registry = Registry()
         self.counters: Counter[str] = Counter()
         self.round = RoundRecord(1)
         self.finished = False
-        self.online: set[str] = set()
-        self._available: set[str] = set()  # online and registered, kept from those messages (no O(fleet) pass)
         self.bytes_sent = 0  # payload bytes the service published for this process (monitoring)
         self._intake = Intake(config.quotas, config.rounds.chunk_size, self.strategy.upload_size(), topics)
         self._log = DeviceLog(log)  # per-device records at a bounded rate (coordinator/logs.py)
@@ -109,14 +102,10 @@ class RoundEngine:
         self._announcements = Announcements(manifest, topics, config.rounds.chunk_size)
         self._state_dirty = True
         self._last_state = -1e18
-        self._registry_dirty = False  # a registration changed since the registry file was last written
-        self._registry_file: str | None = None  # the registry file state.json names (None: nobody registered)
-        self._written_registry: dict[str, Registration] = {}  # what that file holds
         self._next_registry_commit = self._paced_at = -1e18
         self._last_top_up = -1e18
         self._model_file = ""  # the open round's model file; "" until the first start writes it
         self._last_closed: tuple[int, frozenset[str]] = (0, frozenset())  # its number and whose update it folded
-        self._onlines: dict[str, tuple[float, int]] = {}  # device -> (its window's first `online`, how many since)
         if saved is not None:
             self._resume(saved)
         else:
@@ -137,12 +126,16 @@ class RoundEngine:
         return min(1.0, max(len(closed.invited), 1) / max(self._drawn_from(closed.invited), 1))
 
     def median_samples(self) -> float | None:
-        """The registered devices' median n_samples (None: nobody registered), recomputed only once a
-        registration changed: a weight cap per asynchronous version must not cost a pass over the fleet."""
-        if self._median[0] != self._registrations:
-            counts = [entry.n_samples for entry in self.registered.values()]
-            self._median = (self._registrations, float(np.median(counts)) if counts else None)
-        return self._median[1]
+        """The registered devices' median n_samples (None: nobody registered)."""
+        return self._registry.median_samples()
+
+    @property
+    def registered(self) -> Mapping[str, Registration]:
+        return self._registry.registered
+
+    @property
+    def online(self) -> Set[str]:
+        return self._registry.online
 
     # ------------------------------------------------------------ life cycle
 
@@ -155,7 +148,7 @@ class RoundEngine:
         self._invited_at = dict.fromkeys(self.round.invited, now)  # resumed: answer from now on
         if selecting:
             self._select(now)
-        if fresh or selecting or self._registry_dirty:  # dirty here: a registry migrated out of state.json
+        if fresh or selecting or self._registry.dirty:  # dirty here: a registry migrated out of state.json
             self._commit(registry=True)
         self._opened_at = now
         self._deadline = now + self.config.rounds.round_timeout
@@ -172,12 +165,9 @@ class RoundEngine:
                              f"resume it with --fleet {saved.fleet}, or use a fresh --state-dir")
         self.model = decode_shared(self.manifest, encode_shared(self.manifest, loaded.model))
         self._model_file = saved.model
-        self.registered = {device: Registration(**entry) for device, entry in loaded.registry.items()}
-        self._registry_file = saved.registry
-        self._written_registry = dict(self.registered) if self._registry_file else {}
+        self._registry.resume(loaded.registry, saved.registry, inline=saved.inline_registry is not None)
         if saved.inline_registry is not None:  # written before the registry had its own file: start() moves it
             log.info("migrating %d registration(s) from %s into a registry file", len(self.registered), self.outbox.dir)
-            self._registry_dirty = True
         self.counters = Counter(saved.counters)
         if loaded.backoff is not None:
             self.backoff = Backoff.from_json(loaded.backoff)
@@ -260,7 +250,7 @@ class RoundEngine:
             self._last_top_up = now  # devices that come online within one interval are ranked together
             self._lapse(now)
             out += self._top_up(now)
-        dirty = self._registry_dirty or self._backoff_dirty
+        dirty = self._registry.dirty or self._backoff_dirty
         if dirty and now >= self._next_registry_commit:  # registrations are checkpointed at this pace, however
             self._commit(registry=True)  # often they change: a device re-registering must not buy an fsync each
             self._paced_at, self._next_registry_commit = now, now + self.config.rounds.state_interval
@@ -329,11 +319,9 @@ class RoundEngine:
 
     def _on_register(self, device: str, payload: bytes, now: float) -> list[Outgoing]:
         if not payload:  # the device cleared its retained registration: it left the fleet
-            self._available.discard(device)
-            if self.registered.pop(device, None) is not None:
+            if self._registry.unregister(device):
                 self._log.log(now, device, "unregistered", logging.INFO, "unregistered %s", device)
-                self._registry_dirty = self._state_dirty = True
-                self._registrations += 1
+                self._state_dirty = True
                 self._backoff_dirty |= self.backoff.answered(device)  # forgotten with it
             return []
         msg = Register.decode(payload)  # every field checked: n_samples an integer in 1..2**53-1
@@ -343,47 +331,26 @@ class RoundEngine:
         if msg.n_samples > self.config.quotas.max_samples_per_device:
             raise WireError("too_many_samples", f"n_samples {msg.n_samples} is above the coordinator's "
                             f"--max-samples-per-device {self.config.quotas.max_samples_per_device}: not registered")
-        entry = Registration(msg.n_samples, msg.software)  # replaces an earlier one: see docs/reliability.md
-        if self.registered.get(device) != entry:
+        # replaces an earlier registration: see docs/reliability.md
+        if self._registry.register(device, Registration(msg.n_samples, msg.software)):
             self._log.log(now, device, "registered", logging.INFO, "registered %s: %d samples, software %s", device,
                           msg.n_samples, msg.software)
-            self.registered[device] = entry
-            self._registry_dirty = self._state_dirty = True
-            self._registrations += 1
+            self._state_dirty = True
         if device in self.online:
-            self._make_available(device)
+            self._offer(device)
         return []
 
     def _on_presence(self, device: str, payload: bytes, now: float) -> list[Outgoing]:
         status = bytes(payload)
         if status not in (b"online", b"offline", b""):  # b"": the retained presence cleared
             raise WireError("bad_message", f"presence must be online or offline, got {len(status)} other bytes")
-        if status == b"online":
-            self.online.add(device)
-            if device in self.registered:
-                self._make_available(device)
-        else:
-            self.online.discard(device)
-            self._available.discard(device)
+        if self._registry.presence(device, status == b"online", now):
+            self._offer(device)
         self._state_dirty = True
         if status != b"online" and device in self.round.invited and self.strategy.collecting and \
                 device not in self.strategy.answered(self.round.folded.keys()):
             self._lapsed.add(device)  # it declined, or dropped out: the next top-up invites another
-        if status == b"online":
-            self._count_online(device, now)
         return []
-
-    def _count_online(self, device: str, now: float) -> None:
-        """A device connects once and stays; one that says `online` ONLINE_BURST times within ONLINE_WINDOW_S is
-        most likely two agents with one client id, each connect taking the connection over from the other: said
-        once a window."""
-        first, count = self._onlines.get(device, (now, 0))
-        first, count = (first, count + 1) if now - first <= ONLINE_WINDOW_S else (now, 1)
-        self._onlines[device] = (first, count)
-        if count == ONLINE_BURST:
-            log.warning("device %s came online %d times in %.0f s: are two agents running with --client-id %s? "
-                        "Each connect takes the connection over from the other (or its network keeps dropping); "
-                        "give each device its own id", device, count, now - first, device)
 
     def _on_update(self, device: str, payload: bytes, now: float) -> list[Outgoing]:
         self.round.bytes_received += len(payload)
@@ -429,7 +396,7 @@ class RoundEngine:
         """The strategy folded (and checkpointed) the update: the round records it, then the commit."""
         self.round.folded[device] = Folded(n_samples, metrics)
         self.counters["accepted"] += 1
-        self._commit(registry=self._written_registry.get(device) != self.registered.get(device))  # see _commit
+        self._commit(registry=not self._registry.in_file(device))  # see _commit
         log.debug("round %d: accepted %s (%d samples, accuracy %s) [%d/%d]", self.round.number, device, n_samples,
                   metrics.get("accuracy", "n/a"), len(self.round.folded), self.invited_count)
 
@@ -485,7 +452,7 @@ class RoundEngine:
         r.invited = set(r.carried)
         if self.strategy.rerank_each_round:  # every device is ranked with this round's key: select()'s rule
             self._ranking.clear()
-            self._ranking.offer(self._available, r.number)
+            self._ranking.offer(self._registry.available, r.number)
         else:  # the ranking knows the rest: candidates again are those released and those whose sit-out may end
             self._ranking.offer(itertools.chain(released, self.backoff.misses), r.number)
         r.invited |= set(self._ranking.take(room, self._eligible))
@@ -494,11 +461,11 @@ class RoundEngine:
 
     def _eligible(self, device: str) -> bool:
         """Whether the open round may invite the device: registered, online, not invited, not sitting out."""
-        return device in self._available and device not in self.round.invited and \
+        return device in self._registry.available and device not in self.round.invited and \
             not self.backoff.sits_out(device, self.round.number)
 
-    def _make_available(self, device: str) -> None:
-        self._available.add(device)
+    def _offer(self, device: str) -> None:
+        """The device is available (registered and online): the ranking takes it."""
         if self.selecting:
             self._ranking.offer((device,), self.round.number)
 
@@ -506,8 +473,9 @@ class RoundEngine:
         """How many devices `invited` was drawn from: eligible now (registered, online, not sitting out) or
         invited; counted in O(invited + devices backed off), not O(fleet)."""
         sitting = self.backoff.sitting_out(self.round.number)
-        eligible = len(self._available) - sum(1 for device in sitting if device in self._available)
-        return eligible + sum(1 for device in invited if device not in self._available or device in sitting)
+        available = self._registry.available
+        eligible = len(available) - sum(1 for device in sitting if device in available)
+        return eligible + sum(1 for device in invited if device not in available or device in sitting)
 
     def _note_answer(self, device: str) -> None:
         """The device sent something valid for the open round: it is alive, and its backoff is over."""
@@ -637,17 +605,14 @@ class RoundEngine:
         registration changed. Only then is the commit O(fleet), so an accepted update asks for it only when
         its own device's registration is not in the file yet (a restart then knows every folded device):
         otherwise its commit is O(round + model) whatever the fleet's size."""
-        if registry and self._registry_dirty:
-            self._registry_file = self.outbox.write_registry(
-                {device: entry.to_json() for device, entry in self.registered.items()})
-            self._written_registry = dict(self.registered)
-            self._registry_dirty = False
+        if registry:
+            self._registry.write(self.outbox)
         if registry and self._backoff_dirty:  # as the registry: O(devices backed off), not in every commit
             misses = self.backoff.to_json()
             self._backoff_file = self.outbox.write_registry(misses, BACKOFF_PREFIX) if misses else None
             self._backoff_dirty = False
         self.outbox.commit(CoordinatorState(self.digest, self._model_file, self.round, self.counters, self.finished,
-                                            self._registry_file, self.strategy.checkpoint(), backoff=self._backoff_file,
+                                            self._registry.file, self.strategy.checkpoint(), backoff=self._backoff_file,
                                             fleet=self.topics.fleet).to_json())
         self._state_dirty = True
 
