@@ -11,7 +11,6 @@ mode. docs/architecture.md draws the parts, docs/reliability.md what a restart k
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 from collections import Counter
@@ -25,6 +24,7 @@ from fedper.coordinator.announcements import Announcements
 from fedper.coordinator.config import Config
 from fedper.coordinator.effects import Effect, Outbox
 from fedper.coordinator.intake import Intake, Resent
+from fedper.coordinator.invitations import Invitations
 from fedper.coordinator.logs import DeviceLog
 from fedper.coordinator.registry import Registry
 from fedper.coordinator.store import (
@@ -38,7 +38,7 @@ from fedper.coordinator.store import (
 from fedper.coordinator.strategies import strategy_for
 from fedper.manifest import Manifest
 from fedper.payload import decode_shared, encode_shared
-from fedper.selection import Backoff, Ranking, check_seed, invitations, new_seed, sit_out_rounds
+from fedper.selection import Backoff
 from fedper.wire import (
     MAX_ERROR_TEXT,
     ErrorMessage,
@@ -69,15 +69,6 @@ class RoundEngine:
 
     def __init__(self, manifest: Manifest, initial: Mapping[str, np.ndarray], topics: Topics, config: Config,
                  outbox: Outbox, saved: Saved | None, timer: Callable[[], float]) -> None:
-        self.selecting = config.selection.clients_per_round is not None  # else every registered device takes part
-        seed = config.selection.selection_seed  # secret by default: no device learns its future rounds, and the
-        self._seed = new_seed() if seed is None else seed  # fixed-size sampling under DP assumes it (docs/privacy.md)
-        self._ranking = Ranking(self._seed)  # select()'s ranking, kept between top-ups (fedper/selection.py)
-        if config.privacy.noise_multiplier is not None and seed is not None:
-            check_seed(seed)
-        if config.selection.clients_per_round is not None:
-            self._invitations = invitations(config.selection.clients_per_round, config.selection.over_select)
-        self.answer_timeout = config.selection.answer_timeout or config.rounds.round_timeout / 2
         self.manifest, self.topics, self.config, self.outbox, self._timer = manifest, topics, config, outbox, timer
         self.strategy = strategy_for(config, manifest, outbox, topics, self)
         self.digest = manifest.base_digest
@@ -90,12 +81,8 @@ class RoundEngine:
         self._intake = Intake(config.quotas, config.rounds.chunk_size, self.strategy.upload_size(), topics)
         self._log = DeviceLog(log)  # per-device records at a bounded rate (coordinator/logs.py)
         # liveness of the open round's invitations (--clients-per-round), in this process: restarts begin afresh
-        self.backoff = Backoff()  # devices that left invitations unanswered (fedper/selection.py), checkpointed
-        self._backoff_file: str | None = None
-        self._backoff_dirty = False
-        self._invited_at: dict[str, float] = {}  # device -> when this process invited it (or resumed)
-        self._answered: set[str] = set()  # invited devices that sent something for the open round
-        self._lapsed: set[str] = set()  # invitations given up: their places went to the next devices
+        self._invitations = Invitations(config, self._registry.available, self.strategy, self._log)
+        self.selecting = self._invitations.selecting
         self._deadline = 0.0
         self._opened_at = 0.0
         self._broadcast_s = 0.0
@@ -123,7 +110,8 @@ class RoundEngine:
         or invited), sampled without replacement (docs/privacy.md); else 1."""
         if not self.selecting:
             return 1.0
-        return min(1.0, max(len(closed.invited), 1) / max(self._drawn_from(closed.invited), 1))
+        return min(1.0, max(len(closed.invited), 1) /
+                   max(self._invitations.drawn_from(closed.invited, self.round.number), 1))
 
     def median_samples(self) -> float | None:
         """The registered devices' median n_samples (None: nobody registered)."""
@@ -145,7 +133,7 @@ class RoundEngine:
         if fresh:
             self._model_file = self.outbox.write_tensors("model-r1.safetensors", self.model)
         selecting = self.selecting and not self.finished and not self.round.selected
-        self._invited_at = dict.fromkeys(self.round.invited, now)  # resumed: answer from now on
+        self._invitations.restart(self.round, now)  # resumed: answer from now on
         if selecting:
             self._select(now)
         if fresh or selecting or self._registry.dirty:  # dirty here: a registry migrated out of state.json
@@ -169,9 +157,7 @@ class RoundEngine:
         if saved.inline_registry is not None:  # written before the registry had its own file: start() moves it
             log.info("migrating %d registration(s) from %s into a registry file", len(self.registered), self.outbox.dir)
         self.counters = Counter(saved.counters)
-        if loaded.backoff is not None:
-            self.backoff = Backoff.from_json(loaded.backoff)
-            self._backoff_file = saved.backoff
+        self._invitations.resume(loaded.backoff, saved.backoff)
         self.finished = saved.finished
         self.round = saved.round
         self.outbox.trim_metrics(self.round.number if self.finished else self.round.number - 1)  # closed rounds'
@@ -248,9 +234,10 @@ class RoundEngine:
             out += self._advance(now)
         if self.selecting and not self.finished and now - self._last_top_up >= self.config.rounds.state_interval:
             self._last_top_up = now  # devices that come online within one interval are ranked together
-            self._lapse(now)
+            if self.strategy.collecting:
+                self._invitations.lapse(self.round, now)
             out += self._top_up(now)
-        dirty = self._registry.dirty or self._backoff_dirty
+        dirty = self._registry.dirty or self._invitations.backoff_dirty
         if dirty and now >= self._next_registry_commit:  # registrations are checkpointed at this pace, however
             self._commit(registry=True)  # often they change: a device re-registering must not buy an fsync each
             self._paced_at, self._next_registry_commit = now, now + self.config.rounds.state_interval
@@ -299,7 +286,8 @@ class RoundEngine:
         """The deadline passed below --min-clients: wait one more round_timeout (replacing dropouts when selecting)."""
         self.round.extensions += 1
         if self.selecting:
-            self._replace_dropouts()
+            self._invitations.replace_dropouts(self.round)
+            self._last_top_up = -1e18  # top up at once
         self._deadline = now + self.config.rounds.round_timeout
         log.warning("round %d: deadline passed with %d/%d %s, fewer than the %d it closes with: waiting %.1f s more "
                     "(extension %d)", self.round.number, done, self.invited_count, what,
@@ -322,7 +310,7 @@ class RoundEngine:
             if self._registry.unregister(device):
                 self._log.log(now, device, "unregistered", logging.INFO, "unregistered %s", device)
                 self._state_dirty = True
-                self._backoff_dirty |= self.backoff.answered(device)  # forgotten with it
+                self._invitations.forget(device)  # its misses are forgotten with it
             return []
         msg = Register.decode(payload)  # every field checked: n_samples an integer in 1..2**53-1
         if msg.base_digest != self.digest:
@@ -347,9 +335,8 @@ class RoundEngine:
         if self._registry.presence(device, status == b"online", now):
             self._offer(device)
         self._state_dirty = True
-        if status != b"online" and device in self.round.invited and self.strategy.collecting and \
-                device not in self.strategy.answered(self.round.folded.keys()):
-            self._lapsed.add(device)  # it declined, or dropped out: the next top-up invites another
+        if status != b"online" and self.strategy.collecting:
+            self._invitations.declined(device, self.round)  # or dropped out: the next top-up invites another
         return []
 
     def _on_update(self, device: str, payload: bytes, now: float) -> list[Outgoing]:
@@ -441,91 +428,27 @@ class RoundEngine:
 
     # ------------------------------------------------------------ selection (--clients-per-round)
 
-    def _select(self, now: float, carried: Mapping[str, int] | None = None, released: Iterable[str] = ()) -> None:
-        """The opening selection of the (new) open round, among the eligible devices (`_eligible`), beside the
-        invitations `carried` from earlier rounds; `released`: the earlier round's invitations that end with
-        it. The caller checkpoints it. Fewer than ceil(F * M) of them: _top_up invites more as they come online
-        or as invitations lapse."""
-        r = self.round
-        r.selected, r.invite_cap, r.seed, r.carried = True, self._invitations, self._seed, dict(carried or {})
-        room = max(0, r.invite_cap - len(self.strategy.places(r.carried.keys(), set())))
-        r.invited = set(r.carried)
-        if self.strategy.rerank_each_round:  # every device is ranked with this round's key: select()'s rule
-            self._ranking.clear()
-            self._ranking.offer(self._registry.available, r.number)
-        else:  # the ranking knows the rest: candidates again are those released and those whose sit-out may end
-            self._ranking.offer(itertools.chain(released, self.backoff.misses), r.number)
-        r.invited |= set(self._ranking.take(room, self._eligible))
-        self._invited_at = dict.fromkeys(r.invited, now)
-        log.info("round %d: invited %d of %d device(s) online", r.number, len(r.invited), len(self.online))
+    @property
+    def backoff(self) -> Backoff:
+        return self._invitations.backoff
 
-    def _eligible(self, device: str) -> bool:
-        """Whether the open round may invite the device: registered, online, not invited, not sitting out."""
-        return device in self._registry.available and device not in self.round.invited and \
-            not self.backoff.sits_out(device, self.round.number)
+    def _select(self, now: float, carried: Mapping[str, int] | None = None, released: Iterable[str] = ()) -> None:
+        self._invitations.select(self.round, now, carried, released)
+        log.info("round %d: invited %d of %d device(s) online", self.round.number, len(self.round.invited),
+                 len(self.online))
 
     def _offer(self, device: str) -> None:
-        """The device is available (registered and online): the ranking takes it."""
-        if self.selecting:
-            self._ranking.offer((device,), self.round.number)
-
-    def _drawn_from(self, invited: Set[str]) -> int:
-        """How many devices `invited` was drawn from: eligible now (registered, online, not sitting out) or
-        invited; counted in O(invited + devices backed off), not O(fleet)."""
-        sitting = self.backoff.sitting_out(self.round.number)
-        available = self._registry.available
-        eligible = len(available) - sum(1 for device in sitting if device in available)
-        return eligible + sum(1 for device in invited if device not in available or device in sitting)
+        self._invitations.offer(device, self.round.number)
 
     def _note_answer(self, device: str) -> None:
-        """The device sent something valid for the open round: it is alive, and its backoff is over."""
-        if self.selecting:
-            self._answered.add(device)
-            self._backoff_dirty |= self.backoff.answered(device)
-
-    def _lapse(self, now: float) -> None:
-        """Give up the invitations not answered within --answer-timeout (a miss: the device sits out its next
-        rounds, fedper/selection.py), so that _top_up invites the next devices in their place; `_on_presence`
-        gives up those whose device says offline before delivering (no miss). A lapsed device stays invited:
-        its update is still accepted if it comes. Not after a restart's empty online set: only what is seen."""
-        r = self.round
-        if not self.strategy.collecting:
-            return
-        waiting = r.invited - self._lapsed - self._answered - self.strategy.answered(r.folded.keys())
-        for device in waiting:
-            if now - self._invited_at.setdefault(device, now) >= self.answer_timeout:
-                self._lapsed.add(device)
-                if self.backoff.missed(device, r.number):
-                    self._backoff_dirty = True
-                    misses = self.backoff.misses[device][0]
-                    self._log.log(now, device, "missed", logging.INFO, "round %d: %s did not answer its invitation "
-                                  "within %.1f s (%d in a row): inviting another, it sits out %d round(s)", r.number,
-                                  device, self.answer_timeout, misses, sit_out_rounds(misses))
+        self._invitations.answer(device)
 
     def _top_up(self, now: float) -> list[Outgoing]:
-        """Invite eligible devices not invited yet, next in the seeded ranking, while fewer than ceil(F * M)
-        invitations are live (not lapsed); checkpointed before the invitations go out, so a restart re-sends
-        the same ones."""
-        r = self.round
-        room = r.invite_cap - len(self.strategy.places(r.invited - self._lapsed, r.folded.keys()))
-        if room <= 0:
-            return []
-        chosen = self._ranking.take(room, self._eligible)
-        if not chosen:
-            return []
-        r.invited.update(chosen)
-        self._invited_at.update(dict.fromkeys(chosen, now))
-        self._commit()
-        log.info("round %d: invited %d more device(s) [%d live of %d, %d lapsed]", r.number, len(chosen),
-                 len(r.invited - self._lapsed), r.invite_cap, len(self._lapsed))
+        """More invitations while fewer than ceil(F * M) are live: checkpointed before they go out."""
+        chosen = self._invitations.top_up(self.round, now)
+        if chosen:
+            self._commit()
         return [self._invitation(device) for device in chosen]
-
-    def _replace_dropouts(self) -> None:
-        """At an extension (the deadline passed below --min-clients): every invitation not delivered yet lapses
-        (without a miss: it may have started), so the round invites ceil(F * M) more that may answer."""
-        r = self.round
-        self._lapsed |= r.invited - self.strategy.answered(r.folded.keys())
-        self._last_top_up = -1e18  # top up at once
 
     # ------------------------------------------------------------ rounds
 
@@ -544,7 +467,7 @@ class RoundEngine:
         self.finished = last or self.strategy.stopped
         self._last_closed = (closed.number, frozenset(closed.folded))
         self.round = RoundRecord(closed.number if self.finished else closed.number + 1)
-        self._answered, self._lapsed = set(), set()
+        self._invitations.new_round()
         if self.selecting and not self.finished:
             carried = self._carried(closed)
             self._select(now, carried, closed.invited - carried.keys())
@@ -607,13 +530,11 @@ class RoundEngine:
         otherwise its commit is O(round + model) whatever the fleet's size."""
         if registry:
             self._registry.write(self.outbox)
-        if registry and self._backoff_dirty:  # as the registry: O(devices backed off), not in every commit
-            misses = self.backoff.to_json()
-            self._backoff_file = self.outbox.write_registry(misses, BACKOFF_PREFIX) if misses else None
-            self._backoff_dirty = False
-        self.outbox.commit(CoordinatorState(self.digest, self._model_file, self.round, self.counters, self.finished,
-                                            self._registry.file, self.strategy.checkpoint(), backoff=self._backoff_file,
-                                            fleet=self.topics.fleet).to_json())
+            self._invitations.write(lambda misses: self.outbox.write_registry(misses, BACKOFF_PREFIX))
+        state = CoordinatorState(self.digest, self._model_file, self.round, self.counters, self.finished,
+                                 self._registry.file, self.strategy.checkpoint(),
+                                 backoff=self._invitations.backoff_file, fleet=self.topics.fleet)
+        self.outbox.commit(state.to_json())
         self._state_dirty = True
 
     # ------------------------------------------------------------ outgoing

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,8 @@ from vectors.make_vectors import tiny_manifest, tiny_tensors
 from fedper import selection
 from fedper.coordinator.config import Config
 from fedper.coordinator.durable import Coordinator
-from fedper.coordinator.store import FINAL_FILE, METRICS_FILE, Store
+from fedper.coordinator.invitations import Invitations
+from fedper.coordinator.store import FINAL_FILE, METRICS_FILE, RoundRecord, Store
 from fedper.coordinator.strategies.mean import PARTIAL_EVERY
 from fedper.manifest import Manifest, ModelInfo, TensorSpec
 from fedper.wire import ErrorMessage, Invitation, RoundInfo, Topics
@@ -192,9 +194,14 @@ def test_a_version_costs_no_pass_over_the_online_fleet(tmp_path: Path, monkeypat
     version draws selection keys for the devices it released only and asks about as few devices whether
     they may be invited, the same at 300 and at 3,000 online devices."""
     drawn, asked = [], []
-    real_key, real_eligible = selection.selection_key, Coordinator._eligible
+    real_key, real_eligible = selection.selection_key, Invitations._eligible
     monkeypatch.setattr(selection, "selection_key", lambda *args: drawn.append(args) or real_key(*args))
-    monkeypatch.setattr(Coordinator, "_eligible", lambda c, device: asked.append(device) or real_eligible(c, device))
+
+    def eligible(invitations: Invitations, r: RoundRecord) -> Callable[[str], bool]:
+        check = real_eligible(invitations, r)
+        return lambda device: asked.append(device) or check(device)
+
+    monkeypatch.setattr(Invitations, "_eligible", eligible)
     work = {}
     for n in (300, 3_000):
         c = make(tmp_path / str(n), rounds=10, buffer_size=5, clients_per_round=5, selection_seed=11)
