@@ -27,6 +27,7 @@ from fedper.coordinator.intake import Intake, Resent
 from fedper.coordinator.invitations import Invitations
 from fedper.coordinator.logs import DeviceLog
 from fedper.coordinator.registry import Registry
+from fedper.coordinator.rounds import TRANSITIONS, Event, Phase, Step
 from fedper.coordinator.store import (
     BACKOFF_PREFIX,
     FINAL_FILE,
@@ -76,7 +77,10 @@ class RoundEngine:
         self._registry = Registry()
         self.counters: Counter[str] = Counter()
         self.round = RoundRecord(1)
-        self.finished = False
+        self.phase = Phase.COLLECTING
+        self._steps = {Step.CLOSE: self._close, Step.EXTEND: self._extend, Step.RELEASE: self._release,
+                       Step.OPEN: self._open_next, Step.REOPEN: self._reopen}
+        self._released: tuple[RoundRecord, dict[str, Any]] | None = None  # between RELEASE and OPEN
         self.bytes_sent = 0  # payload bytes the service published for this process (monitoring)
         self._intake = Intake(config.quotas, config.rounds.chunk_size, self.strategy.upload_size(), topics)
         self._log = DeviceLog(log)  # per-device records at a bounded rate (coordinator/logs.py)
@@ -158,7 +162,7 @@ class RoundEngine:
             log.info("migrating %d registration(s) from %s into a registry file", len(self.registered), self.outbox.dir)
         self.counters = Counter(saved.counters)
         self._invitations.resume(loaded.backoff, saved.backoff)
-        self.finished = saved.finished
+        self.phase = Phase.FINISHED if saved.finished else Phase.COLLECTING
         self.round = saved.round
         self.outbox.trim_metrics(self.round.number if self.finished else self.round.number - 1)  # closed rounds'
         if not self.selecting:  # the open round keeps its invitations only when still selecting
@@ -167,7 +171,7 @@ class RoundEngine:
         self.strategy.resume(saved.strategy, self.round, self.model, self.finished)
         rounds, number = self.config.rounds.rounds, self.round.number
         if self.finished and rounds > number and not self.strategy.stopped:
-            self.finished, self.round = False, RoundRecord(number + 1)  # its model: the final one
+            self.phase, self.round = Phase.COLLECTING, RoundRecord(number + 1)  # its model: the final one
             self.strategy.open(self.round.number, self.model, finished=False)
             self._commit()
             log.info("resumed from %s, finished after round %d: --rounds %d runs rounds %d to %d", self.outbox.dir,
@@ -234,7 +238,7 @@ class RoundEngine:
             out += self._advance(now)
         if self.selecting and not self.finished and now - self._last_top_up >= self.config.rounds.state_interval:
             self._last_top_up = now  # devices that come online within one interval are ranked together
-            if self.strategy.collecting:
+            if self.phase is Phase.COLLECTING:
                 self._invitations.lapse(self.round, now)
             out += self._top_up(now)
         dirty = self._registry.dirty or self._invitations.backoff_dirty
@@ -251,30 +255,56 @@ class RoundEngine:
         bought one registry write per message: quadratic)."""
         self._next_registry_commit = max(self._next_registry_commit, self._paced_at + 4 * seconds)
 
+    @property
+    def finished(self) -> bool:
+        return self.phase is Phase.FINISHED
+
+    def _step(self, event: Event | None, now: float) -> list[Outgoing]:
+        """The table's row for (phase, event) (coordinator/rounds.py): move to its phase, run its steps."""
+        if event is None:
+            return []
+        self.phase, steps = TRANSITIONS.get((self.phase, event), (self.phase, ()))
+        out: list[Outgoing] = []
+        for step in steps:
+            out += self._steps[step](now)
+        return out
+
     def _advance(self, now: float) -> list[Outgoing]:
         """The strategy's own deadlines; then the round's rule: it closes at quorum (--min-clients, and the
         strategy's) once everyone answered, M did with --clients-per-round, or the deadline passed."""
-        strategy = self.strategy
-        out = strategy.tick(now)
+        out = self.strategy.tick(now)
         self._state_dirty |= bool(out)
-        if strategy.collecting and not (strategy.ready or strategy.failed):
-            answered = strategy.answered(self.round.folded.keys())
-            done = len(answered)
-            complete = self.registered.keys() <= answered or (
-                self.selecting and done >= (self.config.selection.clients_per_round or 0))
-            if done >= max(self.config.rounds.min_clients, strategy.quorum) and (complete or now >= self._deadline):
-                out += strategy.close(now)
+        verdict = self._verdict()
+        if self.phase is Phase.COLLECTING and verdict is None:
+            done = len(self.strategy.answered(self.round.folded.keys()))
+            if done >= self._quorum() and (self._complete(done) or now >= self._deadline):
+                out += self._step(Event.COMPLETE, now)
             elif now >= self._deadline:
-                return out + self._extend(now, done, strategy.answers)
+                return out + self._step(Event.SHORT, now)
         return out + self._settle(now)
 
+    def _quorum(self) -> int:
+        return max(self.config.rounds.min_clients, self.strategy.quorum)
+
+    def _complete(self, done: int) -> bool:
+        """Whether everyone the round waits for answered: every registered device, or M with selection."""
+        answered = self.strategy.answered(self.round.folded.keys())
+        return self.registered.keys() <= answered or (
+            self.selecting and done >= (self.config.selection.clients_per_round or 0))
+
+    def _verdict(self) -> Event | None:
+        """What the strategy says of the round now: it may be released, or its attempt failed."""
+        return Event.READY if self.strategy.ready else Event.FAILED if self.strategy.failed else None
+
     def _settle(self, now: float) -> list[Outgoing]:
-        """Act on where the strategy is: ready closes the round, failed opens it again (a new attempt, its
-        deadline at least one round_timeout away, partial uploads dropped)."""
-        if self.strategy.ready:
-            return self._close_round(now)
-        if not self.strategy.failed:
-            return []
+        """Act on the strategy's verdict (after an update, a stage of its own, or a tick)."""
+        return self._step(self._verdict(), now)
+
+    def _close(self, now: float) -> list[Outgoing]:
+        return self.strategy.close(now)
+
+    def _reopen(self, now: float) -> list[Outgoing]:
+        """A new attempt at the round: its deadline at least one round_timeout away, partial uploads dropped."""
         self.strategy.open(self.round.number, self.model, finished=False)
         self._deadline = max(self._deadline, now + self.config.rounds.round_timeout)
         self._intake.reassembler.discard()
@@ -282,7 +312,7 @@ class RoundEngine:
         self._state_dirty = True
         return [self._round_message()]
 
-    def _extend(self, now: float, done: int, what: str) -> list[Outgoing]:
+    def _extend(self, now: float) -> list[Outgoing]:
         """The deadline passed below --min-clients: wait one more round_timeout (replacing dropouts when selecting)."""
         self.round.extensions += 1
         if self.selecting:
@@ -290,8 +320,8 @@ class RoundEngine:
             self._last_top_up = -1e18  # top up at once
         self._deadline = now + self.config.rounds.round_timeout
         log.warning("round %d: deadline passed with %d/%d %s, fewer than the %d it closes with: waiting %.1f s more "
-                    "(extension %d)", self.round.number, done, self.invited_count, what,
-                    max(self.config.rounds.min_clients, self.strategy.quorum), self.config.rounds.round_timeout,
+                    "(extension %d)", self.round.number, len(self.strategy.answered(self.round.folded.keys())),
+                    self.invited_count, self.strategy.answers, self._quorum(), self.config.rounds.round_timeout,
                     self.round.extensions)
         self._state_dirty = True
         return [self._round_message()]
@@ -335,7 +365,7 @@ class RoundEngine:
         if self._registry.presence(device, status == b"online", now):
             self._offer(device)
         self._state_dirty = True
-        if status != b"online" and self.strategy.collecting:
+        if status != b"online" and self.phase is Phase.COLLECTING:
             self._invitations.declined(device, self.round)  # or dropped out: the next top-up invites another
         return []
 
@@ -452,7 +482,8 @@ class RoundEngine:
 
     # ------------------------------------------------------------ rounds
 
-    def _close_round(self, now: float) -> list[Outgoing]:
+    def _release(self, now: float) -> list[Outgoing]:
+        """The strategy's model and figures for the closed round; the run goes on (NEXT) or ends (LAST)."""
         started = self._timer()
         closed = self.round
         release = self.strategy.release(closed)
@@ -460,12 +491,17 @@ class RoundEngine:
             closed.folded = release.contributors
             self.counters["accepted"] += len(closed.folded)
         self.model = {t.name: release.model[t.name].astype(t.dtype) for t in self.manifest.shared_tensors}
-        aggregate_s = self._timer() - started
-        record = self._metrics(closed, now, aggregate_s)
+        record = self._metrics(closed, now, self._timer() - started)
         last = closed.number >= self.config.rounds.rounds
         record.update(self.strategy.record(closed, last))  # a DP strategy then adapts its clip norm
-        self.finished = last or self.strategy.stopped
+        self._released = (closed, record)
         self._last_closed = (closed.number, frozenset(closed.folded))
+        return self._step(Event.LAST if last or self.strategy.stopped else Event.NEXT, now)
+
+    def _open_next(self, now: float) -> list[Outgoing]:
+        """The next round (or, finished, the final model): selected, written, checkpointed, then announced."""
+        assert self._released is not None, "OPEN follows RELEASE"
+        (closed, record), self._released = self._released, None
         self.round = RoundRecord(closed.number if self.finished else closed.number + 1)
         self._invitations.new_round()
         if self.selecting and not self.finished:
@@ -478,11 +514,7 @@ class RoundEngine:
             self.outbox.write_tensors(FINAL_FILE, self.model)
         self.outbox.append_metrics(record)  # before the commit that closes the round: a restart trims it if need be
         self._commit(registry=True)  # once a round, registrations changed since the last tick go with it
-        mean, std = record["accuracy_mean"], record["accuracy_std"]
-        log.info("round %d closed: %d participant(s), %d samples, %.1f KiB received; the devices' accuracy of round "
-                 "%d's model (its base with each one's head, on its test split): %s", closed.number,
-                 record["participants"], record["n_samples"], record["bytes_received"] / 1024, closed.number,
-                 "none reported" if mean is None else f"{mean:.4f} ± {std:.4f}")
+        _log_closed(record)
         self._opened_at, self._deadline, self._broadcast_s = now, now + self.config.rounds.round_timeout, 0.0
         self._announcements.forget_model()
         stale = sorted(closed.invited - self.round.invited)  # retained invitations of the closed round
@@ -577,3 +609,11 @@ class RoundEngine:
     def state_message(self, now: float) -> Outgoing:
         self._state_dirty, self._last_state = False, now
         return Outgoing(self.topics.state, json.dumps(self.state(now), separators=(",", ":")).encode(), retain=True)
+
+
+def _log_closed(record: Mapping[str, Any]) -> None:
+    mean, std = record["accuracy_mean"], record["accuracy_std"]
+    log.info("round %d closed: %d participant(s), %d samples, %.1f KiB received; the devices' accuracy of round "
+             "%d's model (its base with each one's head, on its test split): %s", record["round"],
+             record["participants"], record["n_samples"], record["bytes_received"] / 1024, record["round"],
+             "none reported" if mean is None else f"{mean:.4f} ± {std:.4f}")

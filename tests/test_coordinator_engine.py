@@ -698,3 +698,21 @@ def test_the_engine_writes_nothing_itself_and_returns_its_writes_before_its_mess
     assert writes[1].record["round"] == 1 and writes[1].record["aggregate_s"] == 0.0  # the timer given
     assert closing.index(writes[-1]) < min(closing.index(m) for m in closing if isinstance(m, Outgoing))
     assert list(tmp_path.iterdir()) == []  # the engine wrote nothing
+
+
+def test_the_round_table_reaches_every_phase_and_runs_every_step(tmp_path: Path) -> None:
+    """coordinator/rounds.py's table is the machine: every step is some row's, every phase some row's target;
+    a round driven to its end passes COLLECTING -> FINISHED, and a pair the table lacks changes nothing."""
+    from fedper.coordinator.rounds import TRANSITIONS, Event, Phase, Step
+
+    assert {step for _, steps in TRANSITIONS.values() for step in steps} == set(Step)
+    assert {phase for phase, _ in TRANSITIONS.values()} == set(Phase)
+    c = make(tmp_path, rounds=1, min_clients=1)
+    c.start(0.0)
+    register(c, "a", 10)
+    assert c.phase is Phase.COLLECTING
+    assert c._step(Event.NEXT, 1.0) == [] and c.phase is Phase.COLLECTING  # not a row: nothing moves
+    send(c, "a", shifted(1.0), 10)
+    c.tick(2.0)
+    assert c.phase is Phase.FINISHED and c.finished and c.round.number == 1
+    assert c._step(Event.COMPLETE, 3.0) == [] and c.phase is Phase.FINISHED
