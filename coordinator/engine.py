@@ -26,7 +26,8 @@ from fedper.coordinator.effects import Effect, Outbox
 from fedper.coordinator.intake import Intake, Resent
 from fedper.coordinator.invitations import Invitations
 from fedper.coordinator.logs import DeviceLog
-from fedper.coordinator.registry import Registry
+from fedper.coordinator.records import check_resumable, log_closed, log_resumed, round_record
+from fedper.coordinator.registry import Registry, registration, says_online
 from fedper.coordinator.rounds import TRANSITIONS, Event, Phase, Step
 from fedper.coordinator.store import (
     BACKOFF_PREFIX,
@@ -44,7 +45,6 @@ from fedper.wire import (
     MAX_ERROR_TEXT,
     ErrorMessage,
     Outgoing,
-    Register,
     Topics,
     UpdateMeta,
     WireError,
@@ -149,12 +149,7 @@ class RoundEngine:
     def _resume(self, loaded: Saved) -> None:
         """Pick up the checkpoint of an earlier run in the same state directory."""
         saved = loaded.state
-        if saved.base_digest != self.digest:
-            raise ValueError(f"{self.outbox.dir} holds the state of a run with another export (base_digest "
-                             f"{saved.base_digest or None}): use a fresh --state-dir")
-        if saved.fleet is not None and saved.fleet != self.topics.fleet:
-            raise ValueError(f"{self.outbox.dir} holds the state of fleet {saved.fleet!r}, not {self.topics.fleet!r}: "
-                             f"resume it with --fleet {saved.fleet}, or use a fresh --state-dir")
+        check_resumable(saved, self.digest, self.topics.fleet, self.outbox.dir)
         self.model = decode_shared(self.manifest, encode_shared(self.manifest, loaded.model))
         self._model_file = saved.model
         self._registry.resume(loaded.registry, saved.registry, inline=saved.inline_registry is not None)
@@ -169,22 +164,14 @@ class RoundEngine:
             self.round.selected, self.round.invited, self.round.invite_cap = False, set(), 0
             self.round.carried = {}
         self.strategy.resume(saved.strategy, self.round, self.model, self.finished)
-        rounds, number = self.config.rounds.rounds, self.round.number
-        if self.finished and rounds > number and not self.strategy.stopped:
-            self.phase, self.round = Phase.COLLECTING, RoundRecord(number + 1)  # its model: the final one
+        resumed, finished = self.round, self.finished
+        reopened = finished and self.config.rounds.rounds > resumed.number and not self.strategy.stopped
+        if reopened:  # more rounds than it ran: the next opens over the final model
+            self.phase, self.round = Phase.COLLECTING, RoundRecord(resumed.number + 1)
             self.strategy.open(self.round.number, self.model, finished=False)
             self._commit()
-            log.info("resumed from %s, finished after round %d: --rounds %d runs rounds %d to %d", self.outbox.dir,
-                     number, rounds, number + 1, rounds)
-        elif self.finished:
-            log.info("resumed from %s: the run finished after round %d%s; nothing to do", self.outbox.dir, number,
-                     " (stopped by its privacy budget)" if self.strategy.stopped else
-                     f": --rounds {rounds + 1} or more would run more" if rounds == number else
-                     f", past --rounds {rounds}")
-        else:
-            log.info("resumed from %s: round %d of %d, %d update(s) already accepted, %d device(s) registered%s",
-                     self.outbox.dir, number, rounds, len(self.round.folded), len(self.registered),
-                     f"; --rounds {rounds} is below it: the run finishes with this round" if number > rounds else "")
+        log_resumed(self.outbox.dir, resumed, self.config.rounds.rounds, finished, self.strategy.stopped, reopened,
+                    len(self.registered))
 
     def announce(self, now: float) -> list[Outgoing]:
         """Everything a device needs to join now (also after a broker restart lost retained messages)."""
@@ -208,7 +195,7 @@ class RoundEngine:
     def handle(self, topic: str, payload: bytes, now: float, *, admitted: bool = False) -> list[Effect]:
         """One incoming message; a bad one is refused before it changes anything, logged once, counted and
         answered on its device's error topic (a chunk of a blob already refused is dropped: one answer per
-        blob). admitted: `admit` passed it already (its rate token is spent). Raises only CheckpointError."""
+        blob). admitted: `admit` passed it already (its rate token is spent). Raises nothing: a bug is refused too."""
         device = None
         try:
             kind, device = self.topics.parse(topic)
@@ -342,30 +329,21 @@ class RoundEngine:
                 self._state_dirty = True
                 self._invitations.forget(device)  # its misses are forgotten with it
             return []
-        msg = Register.decode(payload)  # every field checked: n_samples an integer in 1..2**53-1
-        if msg.base_digest != self.digest:
-            raise WireError("digest_mismatch", f"manifest base_digest {msg.base_digest} is not the coordinator's "
-                            f"{self.digest}: use the same export")
-        if msg.n_samples > self.config.quotas.max_samples_per_device:
-            raise WireError("too_many_samples", f"n_samples {msg.n_samples} is above the coordinator's "
-                            f"--max-samples-per-device {self.config.quotas.max_samples_per_device}: not registered")
-        # replaces an earlier registration: see docs/reliability.md
-        if self._registry.register(device, Registration(msg.n_samples, msg.software)):
+        entry = registration(payload, self.digest, self.config.quotas.max_samples_per_device)
+        if self._registry.register(device, entry):  # replaces an earlier one: see docs/reliability.md
             self._log.log(now, device, "registered", logging.INFO, "registered %s: %d samples, software %s", device,
-                          msg.n_samples, msg.software)
+                          entry.n_samples, entry.software)
             self._state_dirty = True
         if device in self.online:
-            self._offer(device)
+            self._invitations.offer(device, self.round.number)
         return []
 
     def _on_presence(self, device: str, payload: bytes, now: float) -> list[Outgoing]:
-        status = bytes(payload)
-        if status not in (b"online", b"offline", b""):  # b"": the retained presence cleared
-            raise WireError("bad_message", f"presence must be online or offline, got {len(status)} other bytes")
-        if self._registry.presence(device, status == b"online", now):
-            self._offer(device)
+        is_online = says_online(payload)
+        if self._registry.presence(device, is_online, now):
+            self._invitations.offer(device, self.round.number)
         self._state_dirty = True
-        if status != b"online" and self.phase is Phase.COLLECTING:
+        if not is_online and self.phase is Phase.COLLECTING:
             self._invitations.declined(device, self.round)  # or dropped out: the next top-up invites another
         return []
 
@@ -380,7 +358,7 @@ class RoundEngine:
         try:
             meta = self._intake.check(device, chunk, self.registered.get(device), self.round.number,
                                       lambda meta: self._check_round(device, meta))
-            self._note_answer(device)
+            self._invitations.answer(device)
             blob = self._intake.reassembler.add(device, chunk)
             if blob is None:
                 return []
@@ -427,7 +405,7 @@ class RoundEngine:
         if self.selecting and device not in self.round.invited:
             raise WireError("not_invited", f"{device} is not invited to round {self.round.number}")
         out = self.strategy.on_message(device, kind, payload, now)
-        self._note_answer(device)
+        self._invitations.answer(device)
         self._state_dirty = True  # at most one state message per state_interval
         return out + self._settle(now)
 
@@ -467,12 +445,6 @@ class RoundEngine:
         log.info("round %d: invited %d of %d device(s) online", self.round.number, len(self.round.invited),
                  len(self.online))
 
-    def _offer(self, device: str) -> None:
-        self._invitations.offer(device, self.round.number)
-
-    def _note_answer(self, device: str) -> None:
-        self._invitations.answer(device)
-
     def _top_up(self, now: float) -> list[Outgoing]:
         """More invitations while fewer than ceil(F * M) are live: checkpointed before they go out."""
         chosen = self._invitations.top_up(self.round, now)
@@ -491,7 +463,8 @@ class RoundEngine:
             closed.folded = release.contributors
             self.counters["accepted"] += len(closed.folded)
         self.model = {t.name: release.model[t.name].astype(t.dtype) for t in self.manifest.shared_tensors}
-        record = self._metrics(closed, now, self._timer() - started)
+        record = round_record(closed, len(self.registered), self.selecting, now, collect_s=now - self._opened_at,
+                              broadcast_s=self._broadcast_s, aggregate_s=self._timer() - started)
         last = closed.number >= self.config.rounds.rounds
         record.update(self.strategy.record(closed, last))  # a DP strategy then adapts its clip norm
         self._released = (closed, record)
@@ -514,7 +487,7 @@ class RoundEngine:
             self.outbox.write_tensors(FINAL_FILE, self.model)
         self.outbox.append_metrics(record)  # before the commit that closes the round: a restart trims it if need be
         self._commit(registry=True)  # once a round, registrations changed since the last tick go with it
-        _log_closed(record)
+        log_closed(record)
         self._opened_at, self._deadline, self._broadcast_s = now, now + self.config.rounds.round_timeout, 0.0
         self._announcements.forget_model()
         stale = sorted(closed.invited - self.round.invited)  # retained invitations of the closed round
@@ -534,26 +507,6 @@ class RoundEngine:
         except WireError:
             return False
         return True
-
-    def _metrics(self, closed: RoundRecord, now: float, aggregate_s: float) -> dict[str, Any]:
-        accuracies = [f.metrics["accuracy"] for f in closed.folded.values() if "accuracy" in f.metrics]
-        return {
-            "round": closed.number,
-            "participants": len(closed.folded),
-            "devices": sorted(closed.folded),
-            "registered": len(self.registered),
-            "n_samples": sum(f.n_samples for f in closed.folded.values()),
-            "accuracy_mean": float(np.mean(accuracies)) if accuracies else None,
-            "accuracy_std": float(np.std(accuracies)) if accuracies else None,
-            "bytes_received": closed.bytes_received,
-            "broadcast_s": round(self._broadcast_s, 4),
-            "collect_s": round(now - self._opened_at, 4),
-            "aggregate_s": round(aggregate_s, 4),
-            "deadline_extensions": closed.extensions,
-            "rejected": dict(closed.rejected),
-            "time": now,
-            **({"invited": len(closed.invited)} if self.selecting else {}),
-        }
 
     def _commit(self, registry: bool = False) -> None:
         """Make the open round current in state.json; with `registry`, first write the registry file if a
@@ -610,10 +563,3 @@ class RoundEngine:
         self._state_dirty, self._last_state = False, now
         return Outgoing(self.topics.state, json.dumps(self.state(now), separators=(",", ":")).encode(), retain=True)
 
-
-def _log_closed(record: Mapping[str, Any]) -> None:
-    mean, std = record["accuracy_mean"], record["accuracy_std"]
-    log.info("round %d closed: %d participant(s), %d samples, %.1f KiB received; the devices' accuracy of round "
-             "%d's model (its base with each one's head, on its test split): %s", record["round"],
-             record["participants"], record["n_samples"], record["bytes_received"] / 1024, record["round"],
-             "none reported" if mean is None else f"{mean:.4f} ± {std:.4f}")

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from fedper.coordinator.store import Registration
+from fedper.wire import Register, WireError
 
 log = logging.getLogger("fedper.coordinator")
 ONLINE_BURST, ONLINE_WINDOW_S = 4, 120.0  # a device saying `online` this often this quickly is said: two with one id?
@@ -104,3 +105,23 @@ class Registry:
             log.warning("device %s came online %d times in %.0f s: are two agents running with --client-id %s? "
                         "Each connect takes the connection over from the other (or its network keeps dropping); "
                         "give each device its own id", device, count, now - first, device)
+
+
+def registration(payload: bytes, digest: str, max_samples: int) -> Registration:
+    """A Register message checked (every field; this export; n_j within --max-samples-per-device): WireError if not."""
+    msg = Register.decode(payload)  # every field checked: n_samples an integer in 1..2**53-1
+    if msg.base_digest != digest:
+        raise WireError("digest_mismatch", f"manifest base_digest {msg.base_digest} is not the coordinator's "
+                        f"{digest}: use the same export")
+    if msg.n_samples > max_samples:
+        raise WireError("too_many_samples", f"n_samples {msg.n_samples} is above the coordinator's "
+                        f"--max-samples-per-device {max_samples}: not registered")
+    return Registration(msg.n_samples, msg.software)
+
+
+def says_online(payload: bytes) -> bool:
+    """A presence message: online, or offline (b"": the retained presence cleared); WireError otherwise."""
+    status = bytes(payload)
+    if status not in (b"online", b"offline", b""):
+        raise WireError("bad_message", f"presence must be online or offline, got {len(status)} other bytes")
+    return status == b"online"
