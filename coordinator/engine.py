@@ -54,7 +54,6 @@ from fedper.wire import (
 log = logging.getLogger("fedper.coordinator")
 
 
-
 @dataclass(frozen=True)
 class Saved:
     """A state directory's checkpoint as the shell read it: state.json and the files it names."""

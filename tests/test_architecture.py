@@ -11,9 +11,10 @@ with `ast` (nothing is imported, so lazy imports inside functions and TYPE_CHECK
 - the agent's engine (edge/engine.py) does no I/O: it imports no training backend, no MQTT client and
   nothing that reads or writes files or runs processes (the state directory's writer included), and calls
   no file method; its jobs are done by edge/agent.py.
-- the coordinator's engine (coordinator/engine.py) does no I/O either and reads no clock: it imports no MQTT
-  client, not the state directory's `Store`, the shell that carries out its effects (coordinator/durable.py)
-  nor `time`, and calls no file method.
+- the coordinator's engine (coordinator/engine.py) and its parts (rounds, registry, intake, invitations,
+  announcements, records) do no I/O either and read no clock: they import no MQTT client, not the state
+  directory's `Store`, the shell that carries out their effects (coordinator/durable.py) nor `time`, and call
+  no file method.
 
 Folders map to packages through pyproject.toml's [tool.setuptools.package-dir].
 """
@@ -55,12 +56,15 @@ FORBIDDEN = {
                            "fedper.edge.torch_backend", "fedper.edge.service", "fedper.edge.cli", "fedper.edge.state",
                            "fedper.edge.eligibility", "fedper.mqtt", "fedper.checkpoint", "fedper.data", "paho",
                            "onnxruntime", "torch", "os", "io", "pathlib", "shutil", "subprocess", "tempfile", "socket"),
-    "fedper.coordinator.engine": ("fedper.coordinator.store.Store", "fedper.coordinator.durable",
-                                  "fedper.coordinator.service", "fedper.coordinator.cli", "fedper.coordinator.web",
-                                  "fedper.coordinator.broker", "fedper.mqtt", "fedper.checkpoint", "paho", "time",
-                                  "os", "io", "pathlib", "shutil", "subprocess", "tempfile", "socket"),
 }
-PURE = ("fedper.edge.engine", "fedper.coordinator.engine")  # modules that may call no file method either
+# the coordinator's engine and the parts it is made of (docs/architecture.md): no I/O, no clock
+COORDINATOR_PURE = tuple(f"fedper.coordinator.{name}" for name in ("engine", "rounds", "registry", "intake",
+                                                                    "invitations", "announcements", "records"))
+FORBIDDEN |= {module: ("fedper.coordinator.store.Store", "fedper.coordinator.durable", "fedper.coordinator.service",
+                       "fedper.coordinator.cli", "fedper.coordinator.web", "fedper.coordinator.broker", "fedper.mqtt",
+                       "fedper.checkpoint", "paho", "time", "os", "io", "pathlib", "shutil", "subprocess", "tempfile",
+                       "socket") for module in COORDINATOR_PURE}
+PURE = ("fedper.edge.engine", *COORDINATOR_PURE)  # modules that may call no file method either
 FILE_CALLS = {"open", "read_text", "write_text", "read_bytes", "write_bytes", "mkdir", "unlink", "rename", "touch",
               "rmdir"}
 
