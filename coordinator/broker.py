@@ -15,7 +15,8 @@ import threading
 import time
 from typing import Any
 
-log = logging.getLogger("fedper.coordinator")
+from fedper.coordinator.logs import log
+
 TAKEOVER = re.compile(r"Client (.+) is (already connected, performing take-over|reconnecting too quickly)")
 TAKEOVER_SAID_EVERY_S = 60.0
 

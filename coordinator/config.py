@@ -91,8 +91,8 @@ class Aggregation(Group):
                                            "--dp-noise-multiplier: DP's clip norm C, required).", min=0.0)
     max_weight_ratio: float = option(
         DEFAULT_MAX_WEIGHT_RATIO, "c: in --aggregator mean a device weighs min(n_j, c x the median n_samples of the "
-                                  "devices registered when the round folds its first update); inf lifts the cap "
-                                  "(docs/reliability.md).", min=1.0)
+                                  "devices registered when the round (an async version) folds its first update); inf "
+                                  "lifts the cap (docs/reliability.md).", min=1.0)
 
     def __post_init__(self) -> None:
         if self.aggregator not in AGGREGATOR_NAMES:
@@ -150,8 +150,9 @@ class SecureAggregation(Group):
               "--secure-aggregation: every device's advertised keys must be signed by an identity it certifies.",
         flag="--secagg-identity-root")
     min_group: int = option(
-        4, "Smallest group of devices whose sum the coordinator sees when it narrows down a device whose input "
-           "spoils the sum (docs/privacy.md, 'A device that lies').", flag="--secagg-min-group", min=2)
+        4, "Smallest group of devices whose sum the coordinator sees when it splits suspects of spoiling the sum "
+           "in halves; a round too small for that leaves one suspect out at a time (docs/privacy.md, 'A device "
+           "that lies').", flag="--secagg-min-group", min=2)
 
     def __post_init__(self) -> None:
         if self.degree is not None and (not 2 <= self.degree <= MAX_SECAGG_NEIGHBOURS or self.degree % 2):

@@ -25,7 +25,7 @@ from fedper.coordinator.config import Config
 from fedper.coordinator.effects import Effect, Outbox
 from fedper.coordinator.intake import Intake, Resent
 from fedper.coordinator.invitations import Invitations
-from fedper.coordinator.logs import DeviceLog
+from fedper.coordinator.logs import DeviceLog, log
 from fedper.coordinator.records import check_resumable, log_closed, log_resumed, round_record
 from fedper.coordinator.registry import Registry, registration, says_online
 from fedper.coordinator.rounds import TRANSITIONS, Event, Phase, Step
@@ -50,8 +50,6 @@ from fedper.wire import (
     WireError,
     decode_chunk,
 )
-
-log = logging.getLogger("fedper.coordinator")
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,11 @@ A blob refused once is remembered, so that its later chunks are dropped unanswer
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from collections.abc import Callable
 
 from fedper.coordinator.config import Quotas
+from fedper.coordinator.logs import log
 from fedper.coordinator.quota import BURST_SECONDS, MessageRateLimit
 from fedper.coordinator.store import Registration
 from fedper.wire import (
@@ -30,7 +30,6 @@ from fedper.wire import (
 MAX_REJECTED_PER_DEVICE = 1_000  # refused blob ids remembered per device (its later chunks are dropped unanswered)
 MAX_REJECTED_DEVICES = 10_000
 DEFAULT_REASSEMBLY_BYTES = 1 << 30  # all devices' partial uploads together, unless 4 devices' quotas are more
-log = logging.getLogger("fedper.coordinator")
 
 
 class Resent(WireError):

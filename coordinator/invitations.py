@@ -15,11 +15,9 @@ from collections.abc import Callable, Iterable, Mapping, Set
 from typing import Any, Protocol
 
 from fedper.coordinator.config import Config
-from fedper.coordinator.logs import DeviceLog
+from fedper.coordinator.logs import DeviceLog, log
 from fedper.coordinator.store import RoundRecord
 from fedper.selection import Backoff, Ranking, check_seed, invitations, new_seed, sit_out_rounds
-
-log = logging.getLogger("fedper.coordinator")
 
 
 class Places(Protocol):

@@ -1,4 +1,12 @@
-"""Per-device log records at a bounded rate, with a summary of what was left out.
+"""The coordinator's logger: device-chosen text escaped, per-device records at a bounded rate.
+
+Whatever a device chose (its id, its software string, a value quoted in an error text) reaches the log only
+as printable text: `Escaped`, the logger's filter, writes every control or invisible character of a record's
+arguments as a Python escape (a newline as \\n, ESC as \\x1b), so a device can neither forge a line nor drive
+an operator's terminal. Every module logs through `log`, with device data passed as arguments, never formatted
+into the message itself.
+
+Per-device records at a bounded rate, with a summary of what was left out.
 
 A device decides how many messages it sends, so a line per message would let one device write the
 coordinator's log: 50,006 refused blobs once wrote 50,006 warnings (6.8 MB in 48 s). Here each device
@@ -10,9 +18,47 @@ still count every message. Not thread-safe: the engine's thread uses it.
 from __future__ import annotations
 
 import logging
+import numbers
+import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
+
+
+def printable(text: str) -> str:
+    """`text` with each character that is not printable (newlines, ESC, bidi controls) as its Python escape."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+class Escaped(logging.Filter):
+    """Rewrites a record's arguments to printable text (numbers are left for their %d/%f formats), and the
+    message of an exception it carries (an internal error's may quote what a device sent)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(self._escaped(arg) for arg in record.args)
+        elif isinstance(record.args, dict):
+            record.args = {key: self._escaped(arg) for key, arg in record.args.items()}
+        if record.exc_info and record.exc_info[1] is not None and not record.exc_text:
+            kind, error, trace = record.exc_info
+            text = str(error)
+            if not text.isprintable():  # the traceback's lines are the code's; the message is escaped
+                record.exc_text = ("Traceback (most recent call last):\n" + "".join(traceback.format_tb(trace)) +
+                                   f"{kind.__name__ if kind else 'Exception'}: {printable(text)}")
+        return True
+
+    @staticmethod
+    def _escaped(arg: object) -> object:
+        if isinstance(arg, numbers.Number) or arg is None:
+            return arg
+        text = str(arg)
+        return arg if text.isprintable() else printable(text)
+
+
+log = logging.getLogger("fedper.coordinator")
+log.addFilter(Escaped())
 
 LOG_BURST = 5  # records per device per window
 LOG_WINDOW_S = 10.0

@@ -3,15 +3,13 @@ and resumes (docs/reliability.md says what a restart keeps)."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from fedper.coordinator.logs import log
 from fedper.coordinator.store import CoordinatorState, RoundRecord
-
-log = logging.getLogger("fedper.coordinator")
 
 
 def round_record(closed: RoundRecord, registered: int, selecting: bool, now: float, *, collect_s: float,

@@ -7,16 +7,15 @@ registered and online (`available`) are kept from the messages themselves: no O(
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 import numpy as np
 
+from fedper.coordinator.logs import log
 from fedper.coordinator.store import Registration
 from fedper.wire import Register, WireError
 
-log = logging.getLogger("fedper.coordinator")
 ONLINE_BURST, ONLINE_WINDOW_S = 4, 120.0  # a device saying `online` this often this quickly is said: two with one id?
 
 

@@ -11,7 +11,6 @@ distributed DP: docs/privacy.md ("Secure aggregation"); messages: docs/protocol.
 
 from __future__ import annotations
 
-import logging
 import math
 import secrets
 from collections.abc import Callable, Mapping, Sequence, Set
@@ -22,6 +21,7 @@ from typing import Any
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from fedper.coordinator.logs import log
 from fedper.manifest import Manifest, SummedTensors
 from fedper.secagg import (
     AggregateResult,
@@ -51,8 +51,6 @@ from fedper.wire import (
     WireError,
 )
 
-log = logging.getLogger("fedper.coordinator")
-
 
 def new_session() -> int:
     """A session number no earlier session of the run is likely to have had (keys are derived per session)."""
@@ -80,11 +78,12 @@ def flat_length(manifest: Manifest, tensors: SummedTensors = "shared") -> int:
     return sum(int(np.prod(t.shape, dtype=np.int64)) for t in manifest.summed_tensors(tensors))
 
 
-def plan_groups(devices: Sequence[str], suspects: Set[str], min_group: int) -> list[list[str]]:
+def plan_groups(devices: Sequence[str], suspects: Set[str], min_group: int, minimum: int = 2) -> list[list[str]]:
     """The groups a session sums apart: everyone in one; with suspects among `devices` (the contributors of a
     group whose sum failed last round), the suspects in two halves, each filled up to `min_group` with the
     others, and the others left in a group of their own (spread over the halves when fewer than `min_group`).
-    Too few others to fill both halves: one group (the coordinator cannot narrow without a smaller group)."""
+    Too few others to fill both halves: one group without the first suspect, who sits this session out (as if
+    it had dropped out), when the rest are at least `minimum`; else everyone in one group (nothing to narrow)."""
     suspect = [d for d in devices if d in suspects]
     others = [d for d in devices if d not in suspects]
     if not suspect:
@@ -92,7 +91,8 @@ def plan_groups(devices: Sequence[str], suspects: Set[str], min_group: int) -> l
     middle = (len(suspect) + 1) // 2
     halves = [suspect[:middle], suspect[middle:]] if len(suspect) > 1 else [suspect]
     if sum(max(0, min_group - len(h)) for h in halves) > len(others):
-        return [list(devices)]
+        rest = [d for d in devices if d != suspect[0]]
+        return [rest] if len(rest) >= minimum else [list(devices)]
     groups = []
     for half in halves:
         fill = max(0, min_group - len(half))
@@ -171,6 +171,7 @@ class SecureRound:
     result: AggregateResult | None = None
     failure: str = ""
     reported: tuple[str, ...] = ()  # devices left out of the session by their neighbours' reports
+    sat_out: tuple[str, ...] = ()  # advertisers plan_groups left out of the session (a suspect, in a small round)
     _outcomes: list[GroupOutcome] | None = None
 
     @property
@@ -278,16 +279,26 @@ class SecureRound:
         return self.stage not in (Stage.ADVERTISE, Stage.DONE, Stage.FAILED) and not self._expected
 
     def close_adverts(self, registered: Mapping[str, int], now: float, topics: Topics,
-                      noise: DistributedNoise | None = None, suspects: Set[str] = frozenset()) -> list[Outgoing]:
+                      noise: DistributedNoise | None = None, suspects: Set[str] = frozenset(),
+                      minimum: int = 2) -> list[Outgoing]:
         """Stage 1 -> 2: the advertisers (still registered) become the roster, in the groups plan_groups makes of
-        them with `suspects`; each gets its setup and its advertising neighbours' adverts (and, with `noise`, its
-        share of the noise)."""
+        them with `suspects` (`minimum`: the smallest session); each gets its setup and its advertising neighbours'
+        adverts (and, with `noise`, its share of the noise)."""
         self.noise = noise
         advertisers = sorted(d for d in self.adverts if d in registered)[:MAX_SECAGG_DEVICES]
         if len(advertisers) < 2:
             return self._fail(f"{len(advertisers)} device(s) advertised keys: a sum needs at least 2")
-        groups = plan_groups(advertisers, suspects, self.settings.min_group)
+        groups = plan_groups(advertisers, suspects, self.settings.min_group, minimum)
         self.roster = tuple(d for group in groups for d in group)
+        self.sat_out = tuple(d for d in advertisers if d not in self.roster)
+        if self.sat_out:
+            log.warning("round %d: secure aggregation session %d: suspect %s sits this session out: too few devices "
+                        "(%d) to sum the suspects in halves of --secagg-min-group %d", self.round, self.session,
+                        ", ".join(self.sat_out), len(advertisers), self.settings.min_group)
+        elif suspects & set(advertisers) and len(groups) == 1:
+            log.warning("round %d: secure aggregation session %d: cannot narrow down the %d suspect(s) of spoiling "
+                        "the sum: %d device(s) advertised, too few to leave one out", self.round, self.session,
+                        len(suspects & set(advertisers)), len(advertisers))
         self.weights = {d: registered[d] for d in self.roster}
         self.weight_scale = max(self.weights.values())
         config = SecAggConfig.create(round=self.session, roster=self.roster, length=self.settings.length,

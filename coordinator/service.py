@@ -13,7 +13,6 @@ has passed, so that every device hears the final model and goes offline itself r
 from __future__ import annotations
 
 import json
-import logging
 import threading
 import time
 from collections import deque
@@ -23,10 +22,10 @@ from dataclasses import dataclass, field
 import paho.mqtt.client as mqtt
 
 from fedper.coordinator.durable import Coordinator
+from fedper.coordinator.logs import log
 from fedper.mqtt import BrokerUrl, Connected, Session, make_client
 from fedper.wire import Outgoing
 
-log = logging.getLogger("fedper.coordinator")
 PUBLISH_WAIT_S = 60.0
 
 

@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 
 from fedper import checkpoint
+from fedper.checkpoint import PRIVATE
+from fedper.coordinator.logs import log
 
 STATE_FILE = "state.json"
 METRICS_FILE = "metrics.jsonl"
@@ -147,7 +149,9 @@ def _writing(path: Path) -> Iterator[None]:
 class Store:
     def __init__(self, directory: str | Path) -> None:
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        tightened = checkpoint.private_dir(self.dir)  # made 700, or tightened: the DP secret is in state.json
+        if tightened:
+            log.warning("%s", checkpoint.tightened_line(self.dir, tightened))
 
     def load_state(self) -> dict[str, Any] | None:
         path = self.dir / STATE_FILE
@@ -157,7 +161,7 @@ class Store:
         """Make `state` current, then delete tensor files it no longer names."""
         path = self.dir / STATE_FILE
         with _writing(path):
-            checkpoint.write_json(path, state, indent=1)
+            checkpoint.write_json(path, state, indent=1, mode=PRIVATE)
         keep = set(_file_refs(state))
         named = [path for prefix in (REGISTRY_PREFIX, BACKOFF_PREFIX) for path in self.dir.glob(f"{prefix}*.json")]
         for path in [*self.dir.glob("*.safetensors"), *named]:
@@ -176,7 +180,7 @@ class Store:
         path = self.dir / name
         if not path.exists():
             with _writing(path):
-                checkpoint.atomic_write(path, data)
+                checkpoint.atomic_write(path, data, PRIVATE)
 
     def load_registry(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """The registered devices of a committed `state` (as JSON): the registry file it names (None: nobody),
@@ -192,7 +196,7 @@ class Store:
     def write_tensors(self, name: str, tensors: Mapping[str, np.ndarray]) -> str:
         path = self.dir / name
         with _writing(path):
-            checkpoint.write_checkpoint(path, tensors)
+            checkpoint.write_checkpoint(path, tensors, mode=PRIVATE)
         return name
 
     def write_slot(self, slot: int, data: bytes) -> dict[str, Any]:
@@ -200,7 +204,7 @@ class Store:
         `read_slot` reads back. The caller picks a slot that the current state.json does not name."""
         path = self.dir / f"{SLOT_PREFIX}{slot}.bin"
         with _writing(path):
-            checkpoint.overwrite(path, data)
+            checkpoint.overwrite(path, data, PRIVATE)
         return {"file": path.name, "size": len(data)}
 
     def read_slot(self, entry: Mapping[str, Any]) -> bytes:
@@ -228,11 +232,11 @@ class Store:
                 continue  # a line torn by a kill mid-write
         data = "".join(kept).encode()
         if data != path.read_bytes():
-            checkpoint.atomic_write(path, data)
+            checkpoint.atomic_write(path, data, PRIVATE)
 
     def append_metrics(self, record: dict[str, Any]) -> None:
         try:
-            with open(self.dir / METRICS_FILE, "a") as f:
+            with open(self.dir / METRICS_FILE, "a", opener=checkpoint.opener(PRIVATE)) as f:
                 f.write(json.dumps(record) + "\n")
                 f.flush()
                 os.fsync(f.fileno())

@@ -18,6 +18,14 @@ request without such signatures on the set this device signed are refused, and t
 that stage. Shares that do not authenticate are reported, not refused. Once it has answered an unmask request
 in a round, the device takes part in no other session of that round (`answered_round`, kept in its state
 directory across restarts): two sums over the same saved update could be subtracted.
+
+A device advertises keys once per (round, session), ever: the sessions it advertised in are written to its state
+directory (fsynced) before the advert goes out, and a session already there, or a round older than the one there,
+is refused, in this process or after a restart. The signed survivor message holds the setup's digest, and the
+coordinator chooses the session id: without this, it could run a session again with the same id and roster
+(5 -> 6 -> 5, or a device restarted), so the same setup digest, and hand devices of the second run the signatures
+collected in the first on another survivor set (issue 39). Signing needs a setup for a session the participant
+advertised in itself, so a device also signs once per (round, session).
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedper.checkpoint import atomic_write
+from fedper.checkpoint import PRIVATE, atomic_write
 from fedper.manifest import Manifest, SummedTensors
 from fedper.privacy import clip_delta
 from fedper.secagg import DeviceKeys, Identity, SecAggClient, SecAggError, SecAggWire
@@ -47,6 +55,8 @@ from fedper.wire import (
 )
 
 ANSWERED_FILE = "secagg-answered.json"  # in the agent's state directory: the round it revealed shares in
+ADVERTISED_FILE = "secagg-advertised.json"  # in the agent's state directory: the newest round it advertised keys
+# in, and that round's sessions
 SENT = {"neighbours": "shares sent", "shares": "shares received", "mask": "masked input sent",
         "consistency": "survivors signed", "unmask": "unmask shares sent"}  # what each relayed stage led to
 
@@ -58,6 +68,27 @@ def answered_round(state_dir: Path) -> tuple[int, str] | None:
         return int(body["round"]), str(body["model"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def claim_session(state_dir: Path, round_: int, session: int) -> None:
+    """Write down (fsynced) that this device advertises in `session` of `round_`, before it does; SecAggError for
+    a session it advertised in already, or a round older than its newest (what a replaying coordinator asks)."""
+    path = state_dir / ADVERTISED_FILE
+    try:
+        body = json.loads(path.read_text())
+        newest, sessions = int(body["round"]), [int(s) for s in body["sessions"]]
+    except FileNotFoundError:
+        newest, sessions = 0, []
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SecAggError(f"{path} is unreadable ({e}): it takes part in no session until it is fixed or "
+                          "removed") from None
+    if round_ < newest or (session in sessions and round_ == newest):
+        raise SecAggError(f"this device advertised keys in round {newest}"
+                          f"{f' session {session}' if round_ == newest else ''} already: it advertises once per "
+                          "session, and never in an older round (a second run of one session could reuse its "
+                          "signatures)")
+    sessions = [*sessions, session] if round_ == newest else [session]
+    atomic_write(path, json.dumps({"round": round_, "sessions": sessions}).encode(), PRIVATE)
 
 
 def clipped_delta(manifest: Manifest, update: Mapping[str, np.ndarray], model: Mapping[str, np.ndarray],
@@ -116,6 +147,7 @@ class SecureParticipant:
         self._identity = Identity.load(self.identity_dir)
         if self._identity.name != self.device:
             raise SecAggError(f"the identity in {self.identity_dir} is {self._identity.name}'s, not {self.device}'s")
+        claim_session(self.state_dir, self.round, self.session)
         advert = self.keys.advert(self._identity, self.session)
         return Outgoing(self.topics.secagg(self.device), self.wire.advertise(advert).encode())
 
@@ -183,6 +215,6 @@ class SecureParticipant:
         assert self.client is not None
         response = self.client.unmask(self.wire.request(message, self.client.device))
         atomic_write(self.state_dir / ANSWERED_FILE, json.dumps({"round": self.round,
-                                                                 "model": self.model_sha256}).encode())
+                                                                 "model": self.model_sha256}).encode(), PRIVATE)
         return Outgoing(self.topics.secagg(self.device), self.wire.unmask(response).encode())
 

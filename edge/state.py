@@ -29,6 +29,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from fedper import checkpoint
+from fedper.checkpoint import PRIVATE
 from fedper.edge.engine import Saved
 from fedper.manifest import Manifest
 
@@ -66,9 +67,11 @@ class DeviceState:
     def __init__(self, directory: str | Path) -> None:
         self.dir = Path(directory)
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            tightened = checkpoint.private_dir(self.dir)  # 700, files 600: the head and the update are the device's
         except OSError as e:
             raise StateError(f"cannot create the state directory {self.dir}: {e.strerror or e}") from e
+        if tightened:
+            log.warning("%s", checkpoint.tightened_line(self.dir, tightened))
 
     def split(self, x: np.ndarray, y: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
         """(train indices, test indices): read from split.json, or chosen now (stratified, seeded) and stored."""
@@ -92,7 +95,7 @@ class DeviceState:
         [(train, test)] = split_train_test([np.arange(len(y))], y, test_fraction=TEST_FRACTION, seed=seed)
         body = {"seed": seed, "n": len(y), "fingerprint": fingerprint, "train": train.tolist(), "test": test.tolist()}
         with _saving(path):
-            checkpoint.write_json(path, body)
+            checkpoint.write_json(path, body, mode=PRIVATE)
         return train, test
 
     def save(self, saved: Saved) -> None:
@@ -100,15 +103,15 @@ class DeviceState:
                 "metrics": saved.metrics, "local": sorted(saved.local)}
         path = self.dir / TENSORS_FILE
         with _saving(path):
-            checkpoint.write_checkpoint(path, {**saved.update, **saved.local}, meta)
+            checkpoint.write_checkpoint(path, {**saved.update, **saved.local}, meta, PRIVATE)
 
     def save_served(self, tensors: Mapping[str, np.ndarray], record: dict[str, Any]) -> None:
         """The model the device serves after the last round, then final.json, its accuracy on it."""
         served, final = self.dir / SERVED_FILE, self.dir / FINAL_FILE
         with _saving(served):
-            checkpoint.write_checkpoint(served, tensors, record)
+            checkpoint.write_checkpoint(served, tensors, record, PRIVATE)
         with _saving(final):
-            checkpoint.atomic_write(final, json.dumps(record).encode())
+            checkpoint.atomic_write(final, json.dumps(record).encode(), PRIVATE)
 
     def load(self, manifest: Manifest) -> Saved | None:
         """The last completed round's state, or None for a fresh device. A state from another export

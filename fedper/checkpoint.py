@@ -10,6 +10,9 @@ place. Two formats, nothing else (no pickle):
                 own memory, so a large float64 sum is never copied whole to be written
     JSON file   state that holds no tensors (`write_json`)
 
+State is private to its owner: a role's state directory is created (or tightened, `private_dir`) mode 700 and
+its files written mode 600 (`mode=PRIVATE`): the coordinator's DP noise secret and a device's head sit there.
+
 Errors are left as they come (OSError when writing; CorruptCheckpoint when a file is not a
 checkpoint) for each role to explain in its own terms.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -34,20 +38,56 @@ _SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "in
                        "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
 
 
+PRIVATE = 0o600  # a state file: its owner reads and writes it, nobody else
+PRIVATE_DIR = 0o700
+
+
 class CorruptCheckpoint(ValueError):
     """A file that is not a readable checkpoint (truncated, overwritten, or another format)."""
 
 
-def atomic_write(path: Path, data: Buffer | Iterable[Buffer]) -> None:
+def tightened_line(path: Path, tightened: list[str]) -> str:
+    """The one line a role logs when `private_dir` tightened an existing state directory."""
+    more = f" and {len(tightened) - 4} more" if len(tightened) > 4 else ""
+    return (f"state directory {path} was open to other users; group and others' access removed: "
+            f"{', '.join(tightened[:4])}{more}")
+
+
+def private_dir(path: Path) -> list[str]:
+    """Create `path` (mode 700) or take group's and others' access away from it and the files in it: what was
+    tightened, as "name (was 0644)", for the caller to say in one line (empty: nothing was). An entry this user
+    does not own cannot be changed: it is named "(0755, not this user's: left as is)"."""
+    path.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+    tightened: list[str] = []
+    for entry in [path, *path.iterdir()]:
+        mode = stat.S_IMODE(entry.lstat().st_mode)
+        if mode & 0o077 and not entry.is_symlink():
+            name = entry.name if entry != path else "."
+            try:
+                entry.chmod(mode & ~0o077)
+                tightened.append(f"{name} (was {mode:04o})")
+            except PermissionError:
+                tightened.append(f"{name} ({mode:04o}, not this user's: left as is)")
+    return tightened
+
+
+def opener(mode: int) -> Any:
+    """An `open` opener that creates the file with `mode` (less the umask)."""
+    return lambda name, flags: os.open(name, flags, mode)
+
+
+def atomic_write(path: Path, data: Buffer | Iterable[Buffer], mode: int = 0o666) -> None:
     """Readers see the old content or the new, never a mix: temp file, fsync, rename, fsync the folder.
 
-    `data` may be a sequence of buffers written one after another (no joined copy in memory).
+    `data` may be a sequence of buffers written one after another (no joined copy in memory); the file is
+    created with `mode` less the umask (PRIVATE: state).
 
     On any OSError (e.g. ENOSPC) the temp file is removed, `path` keeps its old content, and the
     error propagates."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with open(tmp, "wb") as f:
+        tmp.unlink(missing_ok=True)  # one left by a kill keeps its mode: a new file takes `mode`
+        with open(tmp, "wb", opener=opener(mode)) as f:
             for part in [data] if isinstance(data, Buffer) else data:
                 f.write(part)
             f.flush()
@@ -63,13 +103,14 @@ def atomic_write(path: Path, data: Buffer | Iterable[Buffer]) -> None:
         raise
 
 
-def overwrite(path: Path, data: Buffer) -> None:
+def overwrite(path: Path, data: Buffer, mode: int = 0o666) -> None:
     """Write `data` at the start of `path` in place (created if missing) and fdatasync it: a file reused for
     data of about the same size keeps its disk blocks, so this costs a memory copy and one flush, where a new
     file costs an allocation per block. Not atomic: a crash mid-write leaves a mix, so a caller names the file
     and the size written (`read_prefix`) in an atomic file only after this returns, and never overwrites a
-    file that its current atomic file names. Bytes past `data` from an earlier, longer write stay."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    file that its current atomic file names. Bytes past `data` from an earlier, longer write stay. A new file
+    takes `mode` less the umask."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, mode)
     try:
         view = memoryview(data).cast("B")
         written = 0
@@ -89,8 +130,8 @@ def read_prefix(path: Path, size: int) -> bytes:
     return data
 
 
-def write_json(path: Path, body: Any, *, indent: int | None = None) -> None:
-    atomic_write(path, json.dumps(body, indent=indent).encode())
+def write_json(path: Path, body: Any, *, indent: int | None = None, mode: int = 0o666) -> None:
+    atomic_write(path, json.dumps(body, indent=indent).encode(), mode)
 
 
 def read_json(path: Path) -> Any:
@@ -98,9 +139,10 @@ def read_json(path: Path) -> Any:
     return json.loads(path.read_bytes())
 
 
-def write_checkpoint(path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any] | None = None) -> None:
+def write_checkpoint(path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any] | None = None,
+                     mode: int = 0o666) -> None:
     """`tensors` and `meta` (a JSON-serializable mapping; None writes no metadata) as one safetensors file."""
-    atomic_write(path, safetensors_parts(tensors, None if meta is None else {META_KEY: json.dumps(meta)}))
+    atomic_write(path, safetensors_parts(tensors, None if meta is None else {META_KEY: json.dumps(meta)}), mode)
 
 
 def read_checkpoint(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:

@@ -96,3 +96,60 @@ def test_the_coordinator_serves_the_page_that_make_web_builds():
     assert fedper.web_root() == ROOT / "web" / "dist" == default_root()
     if (ROOT / "web" / "dist" / "index.html").is_file():  # built by `make web` (npm), which `make test` runs first
         assert check_root(default_root()) == ROOT / "web" / "dist"
+
+
+def test_the_pages_schema_is_generated_from_fedper_wire(tmp_path):
+    subprocess.run([sys.executable, str(ROOT / "web" / "make_schema.py"), str(tmp_path / "schema.js")], check=True,
+                   capture_output=True)
+    stale = "web/src/schema.js is stale: rerun web/make_schema.py"
+    assert filecmp.cmp(tmp_path / "schema.js", ROOT / "web" / "src" / "schema.js", shallow=False), stale
+
+
+DECODE_ALL = """
+import { readFileSync } from 'node:fs';
+import { decodeMessage } from './src/wire.js';
+const cases = JSON.parse(readFileSync(process.argv[1]));
+const verdicts = cases.map(([kind, text]) => {
+  try { return decodeMessage(kind, new TextEncoder().encode(text)) && 'ok'; } catch (e) { return e.code ?? e.message; }
+});
+console.log(JSON.stringify(verdicts));
+"""
+VALID = {
+    "Register": {"n_samples": 120, "base_digest": "d" * 64, "software": "x/1"},
+    "RoundInfo": {"round": 2, "rounds": 3, "state": "open", "deadline": 1.9e9, "blob_id": "r2", "size": 10,
+                  "sha256": "a" * 64, "count": 1, "base_digest": "d", "selection": "invited",
+                  "next_selection_at": 1.9e9, "secagg_session": 1, "max_staleness": 2},
+    "Invitation": {"round": 1},
+    "ErrorMessage": {"code": "late_update", "message": "m", "round": 1},
+    "UpdateMeta": {"round": 1, "n_samples": 1, "base_digest": "d", "metrics": {"accuracy": 0.5}, "codec": "fp32"},
+}
+CANDIDATES = ["-1", "0", "1", "1.0", "1.5", "9007199254740991", "9007199254740992", "1e400", "null", "true",
+              '"open"', '"finished"', '"all"', '"invited"', '"r 1"', '"' + "a" * 64 + '"', '"' + "A" * 64 + '"',
+              '"' + "x" * 256 + '"', '"' + "x" * 257 + '"', '"' + "x" * 4097 + '"', "{}", '{"a b":1}',
+              '{"loss":1e16}', "{" + ",".join(f'"m{i}":1' for i in range(17)) + "}", "[]"]
+
+
+@needs_node
+def test_the_page_accepts_and_refuses_every_message_field_as_fedper_wire_does(tmp_path):
+    """Each field of each message the page reads, set to values at and beyond its bounds (and left out): the page's
+    verdict is Python's, so the generated schema carries every bound."""
+    from fedper.wire import WireError, messages
+
+    cases = []
+    for kind, body in VALID.items():
+        for name in body:
+            cases.append((kind, json.dumps({"v": 1, **{k: v for k, v in body.items() if k != name}})))
+            for value in CANDIDATES:
+                rest = json.dumps({k: v for k, v in body.items() if k != name})[1:-1]
+                cases.append((kind, f'{{"v":1,{rest},"{name}":{value}}}'))
+    python = []
+    for kind, text in cases:
+        try:
+            python.append(getattr(messages, kind).decode(text.encode()) and "ok")
+        except WireError as e:
+            python.append(e.code)
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    page = json.loads(node(DECODE_ALL, str(tmp_path / "cases.json")))
+    differ = [(c, p, w) for c, p, w in zip(cases, python, page, strict=True) if p != w]
+    assert not differ, differ[:5]
+    assert 0 < python.count("ok") < len(cases) - 100  # both verdicts are exercised

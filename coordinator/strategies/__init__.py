@@ -25,7 +25,7 @@ def strategy_for(config: Config, manifest: Manifest, store: Store, topics: Topic
         from fedper.coordinator.strategies.fedbuff import FedBuff
 
         buffer = config.asynchronous.buffer_config(config.aggregation.clip_norm, config.aggregation.aggregator)
-        return FedBuff(manifest, store, topics, fleet, buffer, budget=budget)
+        return FedBuff(manifest, store, topics, fleet, buffer, config.aggregation.max_weight_ratio, budget=budget)
     if config.secure.enabled:
         _check_secure(manifest)
         from fedper.coordinator.strategies.secure import SecureSum  # the privacy extra's cryptography

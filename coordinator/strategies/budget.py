@@ -6,15 +6,13 @@ the noise), the accountant and whether the budget stopped the run (docs/privacy.
 
 from __future__ import annotations
 
-import logging
 import math
 import secrets
 from collections.abc import Mapping
 from typing import Any
 
+from fedper.coordinator.logs import log
 from fedper.privacy import AdaptiveClipping, PrivacyAccountant, budget_action
-
-log = logging.getLogger("fedper.coordinator")
 
 
 def json_epsilon(epsilon: float) -> float | None:

@@ -6,20 +6,21 @@ A session is not checkpointed: after a restart, or a session that fails before a
 round opens a new one and the devices take part again. A device whose input spoils its group's sum (beyond
 the clip norm, or secrets that do not check out) is narrowed down over the next rounds: the contributors of
 the failed group are suspects, the next session splits them in halves (plan_groups), each summed apart with
-others up to --secagg-min-group; the suspects become those of a half that fails again, and a lone suspect is
-excluded from secure aggregation for the rest of the run (checkpointed). Meanwhile every group that passes
-is released, so training goes on. The stages and their messages: coordinator/secure_round.py, docs/privacy.md.
+others up to --secagg-min-group (a round too small for that leaves one suspect out, and a failure without it
+clears it); the suspects become those of a half that fails again, and a lone suspect is excluded from secure
+aggregation for the rest of the run (checkpointed). Meanwhile every group that passes is released, so
+training goes on. The stages and their messages: coordinator/secure_round.py, docs/privacy.md.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Set
 from typing import Any
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from fedper.coordinator.logs import log
 from fedper.coordinator.secure_round import (
     DistributedNoise,
     GroupOutcome,
@@ -44,8 +45,6 @@ from fedper.wire import (
     WireError,
     decode_secagg,
 )
-
-log = logging.getLogger("fedper.coordinator")
 
 
 class SecureSum(Strategy):
@@ -110,7 +109,7 @@ class SecureSum(Strategy):
         noise = None if self.budget is None else DistributedNoise(self.budget.noise_multiplier,
                                                                   float(self.fleet.round_size()))
         registered = {d: r.n_samples for d, r in self.fleet.registered.items()}
-        out = session.close_adverts(registered, now, self.topics, noise, self.suspects)
+        out = session.close_adverts(registered, now, self.topics, noise, self.suspects, max(self.min_clients, 2))
         self.collecting = False
         self._settle()
         return out
@@ -146,14 +145,19 @@ class SecureSum(Strategy):
             if not outcome.released:
                 log.warning("round %d: the secure sum of %d device(s) is not released: %s", closed.number,
                             len(outcome.devices), outcome.why)
-        self._narrow(closed.number, outcomes)
+        self._narrow(closed.number, outcomes, set(session.sat_out))
         contributors = {d: Folded(n, metrics) for d, (n, metrics) in session.contributions().items()}
         return Release(session.model(self.manifest, self.model), contributors)
 
-    def _narrow(self, number: int, outcomes: list[GroupOutcome]) -> None:
+    def _narrow(self, number: int, outcomes: list[GroupOutcome], sat_out: Set[str]) -> None:
         """Suspects: the contributors of the groups that showed a lie, within the last suspects when they are
-        among them; none when every group passed. A lone suspect is excluded."""
+        among them; none when every group passed, unless a suspect sat the session out (it stays a suspect, and
+        sits out again: a pass shows no lie, so it never excludes anyone). A lone suspect is excluded."""
         failed = {d for outcome in outcomes if outcome.suspect for d in outcome.devices}
+        if not failed and sat_out & self.suspects:
+            log.warning("round %d: released without suspect %s, who sat the session out", number,
+                        ", ".join(sorted(sat_out)))
+            return
         self.suspects = (failed & self.suspects) or failed
         if len(self.suspects) == 1:
             log.warning("round %d: %s is excluded from secure aggregation: its input spoiled the sum of each group "
@@ -161,8 +165,8 @@ class SecureSum(Strategy):
             self.excluded |= self.suspects
             self.suspects = set()
         elif self.suspects:
-            log.warning("round %d: %d suspect(s) of spoiling the sum; the next session sums them in halves", number,
-                        len(self.suspects))
+            log.warning("round %d: %d suspect(s) of spoiling the sum; the next session sums them in halves, or "
+                        "leaves one out when too few devices advertise to halve them", number, len(self.suspects))
 
     def record(self, closed: RoundRecord, last: bool) -> dict[str, Any]:
         session = self._open_session()

@@ -74,7 +74,7 @@ export function runAgent(agent, mqtt, url, { username, password, spreadS = 30, l
       // a persistent session keeps the last run's subscriptions: every model topic goes unless wanted now
       subscribed = new Set([agent.topics.allModels]);
       await follow();
-      await publish(agent.connected());
+      await publish(await agent.connected());
     });
   });
   client.on('message', (topic, payload) => {

@@ -1,19 +1,18 @@
 // Protocol v1 on the page's side (docs/protocol.md): topics, the JSON messages a device reads and writes, chunk
 // frames and the reassembly of the round's model. Every field a message brings is checked against its bounds
-// before the agent acts on it, as fedper/wire/ checks them; a refusal is a WireError with the protocol's code.
+// before the agent acts on it, as fedper/wire/ checks them (the fields and bounds: schema.js, generated from
+// fedper/wire/messages.py by web/make_schema.py); a refusal is a WireError with the protocol's code.
 
 import { crc32, sha256Hex } from './hash.js';
+import { LIMITS, SCHEMAS } from './schema.js';
 
 export const VERSION = 1;
-export const NAME_RE = /^[A-Za-z0-9_.-]{1,64}$/;
-export const MAX_JSON_INT = 2 ** 53 - 1;
+export const NAME_RE = new RegExp(LIMITS.NAME_PATTERN);
+export const MAX_JSON_INT = LIMITS.MAX_JSON_INT;
 export const DEFAULT_CHUNK_SIZE = 63 * 1024;
 export const MAX_HEADER_SIZE = 16 * 1024;
 export const MAX_CHUNK_SIZE = 1 << 20;
-const MAX_TEXT = 256;
-const MAX_ERROR_TEXT = 4096;
-const MAX_METRICS = 16;
-const MAX_METRIC_VALUE = 1e15;
+const { MAX_METRICS, MAX_METRIC_VALUE } = LIMITS;
 const SHA256_RE = /^[0-9a-f]{64}$/;
 const encoder = new TextEncoder();
 
@@ -153,13 +152,14 @@ const int = (low = 0, high = MAX_JSON_INT) => (name, v) => {
   return v;
 };
 const number = (limit = Infinity) => (name, v) => {
-  const n = v instanceof JsonFloat ? v.value : v;
+  // an integer beyond 2^53 is still a number (fedper.wire takes it as a float; one beyond the double range is not)
+  const n = v instanceof JsonFloat ? v.value : typeof v === 'bigint' ? Number(v) : v;
   if (typeof n !== 'number' || !Number.isFinite(n) || Math.abs(n) > limit) {
     throw new WireError('bad_message', `${name} must be a finite number of magnitude <= ${limit}, got ${shown(v)}`);
   }
   return n;
 };
-const text = (max = MAX_TEXT, pattern = null, choices = null) => (name, v) => {
+const text = (max, pattern = null, choices = null) => (name, v) => {
   if (typeof v !== 'string' || v.length > max) throw new WireError('bad_message', `${name} must be a string of at most ${max} characters`);
   if ((pattern && !pattern.test(v)) || (choices && !choices.includes(v))) {
     throw new WireError('bad_message', `${name} ${shown(v)} must be ${choices ? choices.join(' or ') : `like ${pattern.source}`}`);
@@ -179,30 +179,30 @@ const metrics = (name, v) => {
   return out;
 };
 
-/** [field, check, default] per field; a field with a default may be left out. */
-const SCHEMAS = {
-  Register: [['n_samples', int(1)], ['base_digest', text()], ['software', text()]],
-  RoundInfo: [
-    ['round', int(1)], ['rounds', int(1)], ['state', text(MAX_TEXT, null, ['open', 'finished'])], ['deadline', number()],
-    ['blob_id', text(MAX_TEXT, NAME_RE)], ['size', int()], ['sha256', text(MAX_TEXT, SHA256_RE)], ['count', int(1)],
-    ['base_digest', text()], ['selection', text(MAX_TEXT, null, ['all', 'invited']), 'all'],
-    ['next_selection_at', optional(number()), null], ['secagg_session', optional(int(1)), null],
-    ['max_staleness', optional(int()), null],
-  ],
-  Invitation: [['round', int(1)]],
-  ErrorMessage: [['code', text()], ['message', text(MAX_ERROR_TEXT)], ['round', optional(int()), null]],
-  UpdateMeta: [['round', int()], ['n_samples', int(1)], ['base_digest', text()], ['metrics', metrics, {}], ['codec', text(), 'fp32']],
-};
+/** A generated field's check (schema.js: Python's fullmatch is a pattern anchored at both ends). */
+function check(field) {
+  const made = {
+    int: () => int(field.low, field.high),
+    number: () => number(),
+    text: () => text(field.max, field.pattern ? new RegExp(`^(?:${field.pattern})$`) : null, field.choices ?? null),
+    metrics: () => metrics,
+  }[field.type]();
+  return field.nullable ? optional(made) : made;
+}
+
+/** [field, check, default] per field of each message; a field with a default may be left out. */
+const CHECKS = Object.fromEntries(Object.entries(SCHEMAS).map(([kind, fields]) => [kind,
+  fields.map((f) => ('default' in f ? [f.name, check(f), f.default] : [f.name, check(f)]))]));
 
 /** A message's fields from a parsed JSON object, each checked; WireError('bad_message') otherwise. */
 export function fromDict(kind, body) {
   const out = {};
-  for (const [name, check, ...rest] of SCHEMAS[kind]) {
+  for (const [name, checked, ...rest] of CHECKS[kind]) {
     if (!Object.hasOwn(body, name)) {
-      if (rest.length) { out[name] = rest[0]; continue; }
+      if (rest.length) { out[name] = structuredClone(rest[0]); continue; }
       throw new WireError('bad_message', `${kind}: missing field '${name}'`);
     }
-    out[name] = check(`${kind}.${name}`, body[name]);
+    out[name] = checked(`${kind}.${name}`, body[name]);
   }
   return out;
 }
@@ -212,7 +212,7 @@ export const decodeMessage = (kind, payload) => fromDict(kind, jsonObject(payloa
 /** A message's fields checked and in declaration order (fedper.wire's Message.to_dict; a chunk's meta). */
 export function messageFields(kind, fields) {
   const checked = fromDict(kind, fields);
-  return Object.fromEntries(SCHEMAS[kind].map(([name]) => [name, checked[name]]));
+  return Object.fromEntries(CHECKS[kind].map(([name]) => [name, checked[name]]));
 }
 
 /** A message as fedper.wire encodes it: {"v":1, fields in declaration order}, compact. */
