@@ -31,7 +31,8 @@ import numpy as np
 from common import main, median, table, write_json
 
 from fedper.aggregation import WeightedMean
-from fedper.coordinator.engine import Config, Coordinator
+from fedper.coordinator.config import Config
+from fedper.coordinator.durable import Coordinator
 from fedper.coordinator.store import Store
 from fedper.coordinator.strategies.mean import PARTIAL_EVERY
 from fedper.manifest import Manifest

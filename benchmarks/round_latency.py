@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 from common import main, median, table, write_json
 
-from fedper.coordinator.engine import Config, Coordinator
+from fedper.coordinator.config import Config
+from fedper.coordinator.durable import Coordinator
 from fedper.coordinator.service import run_service
 from fedper.coordinator.store import Store
 from fedper.manifest import Manifest

@@ -1,7 +1,7 @@
 """Secure aggregation over MQTT against the plain protocol: bytes and seconds per device and for the
 coordinator at 10 / 50 / 100 devices, in one run.
 
-Both protocols run through the real engines, without a broker: the coordinator's (fedper.coordinator.engine,
+Both protocols run through the real engines, without a broker: the coordinator's (fedper.coordinator.durable,
 its state directory in a temporary folder, so checkpoints count) and, for secure aggregation, each
 device's SecureParticipant (fedper.edge.secure_round); every message crosses as the bytes MQTT would carry
 (JSON stage messages, chunk frames of the update or the masked input). The model is one shared tensor of
@@ -29,7 +29,8 @@ import numpy as np
 from common import main, table, write_json
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from fedper.coordinator.engine import Config, Coordinator
+from fedper.coordinator.config import Config
+from fedper.coordinator.durable import Coordinator
 from fedper.coordinator.store import Store
 from fedper.edge.secure_round import SecureParticipant
 from fedper.manifest import Manifest, ModelInfo, TensorSpec

@@ -35,7 +35,8 @@ import numpy as np
 from common import main, table, write_json
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from fedper.coordinator.engine import Config, Coordinator
+from fedper.coordinator.config import Config
+from fedper.coordinator.durable import Coordinator
 from fedper.coordinator.service import run_service
 from fedper.coordinator.store import Store
 from fedper.edge.secure_round import SecureParticipant

@@ -21,7 +21,7 @@ from fedper.coordinator.web import Web
 from fedper.onecommand import OneCommand
 
 if TYPE_CHECKING:
-    from fedper.coordinator.engine import Coordinator
+    from fedper.coordinator.durable import Coordinator
     from fedper.coordinator.metrics import CoordinatorMetrics
     from fedper.coordinator.web import WebServer
     from fedper.mqtt import BrokerUrl
@@ -135,7 +135,7 @@ def run(service: Service, options: dict[str, Any], web: Web | None = None) -> No
 def _build(service: Service, options: dict[str, Any]) -> tuple[Coordinator, BrokerUrl]:
     """The engine and the broker's URL; a bad option, export or state directory exits 2 with one line."""
     from fedper.artifacts import BASE_FILE
-    from fedper.coordinator.engine import Coordinator
+    from fedper.coordinator.durable import Coordinator
     from fedper.coordinator.store import CheckpointError, Store
     from fedper.manifest import Manifest, ManifestError
     from fedper.mqtt import PROTOCOLS, BrokerUrl, parse_broker_url

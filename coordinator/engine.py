@@ -1,129 +1,99 @@
 """The coordinator's engine: devices, rounds, selection and deadlines, as a state machine fed with
 decoded MQTT messages and the time.
 
-No I/O but its state directory: `handle(topic, payload, now)` and `tick(now)` return the messages to
-publish, so tests and fuzzers drive it without a broker and the paho loop stays thin. What is done
+No I/O: `start(now)`, `handle(topic, payload, now)` and `tick(now)` return effects, the writes the state
+directory must make (coordinator/effects.py) followed by the messages to publish; coordinator/durable.py
+carries them out, so tests and fuzzers drive it without a broker and the paho loop stays thin. The clock is
+an argument: `now` for events, `timer` for the figures that time the engine's own work. What is done
 with updates is the run's aggregation strategy (coordinator/strategies/); the engine branches on no
 mode. docs/architecture.md draws the parts, docs/reliability.md what a restart keeps.
 """
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 import json
 import logging
-import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Set
+from collections.abc import Callable, Iterable, Mapping, Set
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from fedper.coordinator.config import Config, Quotas
+from fedper.coordinator.announcements import Announcements
+from fedper.coordinator.config import Config
+from fedper.coordinator.effects import Effect, Outbox
+from fedper.coordinator.intake import Intake, Resent
+from fedper.coordinator.invitations import Invitations
 from fedper.coordinator.logs import DeviceLog, log
-from fedper.coordinator.quota import BURST_SECONDS, MessageRateLimit
+from fedper.coordinator.records import check_resumable, log_closed, log_resumed, round_record
+from fedper.coordinator.registry import Registry, registration, says_online
+from fedper.coordinator.rounds import TRANSITIONS, Event, Phase, Step
 from fedper.coordinator.store import (
     BACKOFF_PREFIX,
     FINAL_FILE,
-    CheckpointError,
     CoordinatorState,
     Folded,
     Registration,
     RoundRecord,
-    Store,
 )
 from fedper.coordinator.strategies import strategy_for
 from fedper.manifest import Manifest
 from fedper.payload import decode_shared, encode_shared
-from fedper.selection import Backoff, Ranking, check_seed, invitations, new_seed, sit_out_rounds
+from fedper.selection import Backoff
 from fedper.wire import (
     MAX_ERROR_TEXT,
-    Chunk,
     ErrorMessage,
-    Invitation,
     Outgoing,
-    Reassembler,
-    Register,
-    RoundInfo,
     Topics,
     UpdateMeta,
     WireError,
-    chunk,
-    chunk_count,
     decode_chunk,
-    decode_update_meta,
 )
 
-MAX_REJECTED_PER_DEVICE = 1_000  # refused blob ids remembered per device (its later chunks are dropped unanswered)
-MAX_REJECTED_DEVICES = 10_000
-DEFAULT_REASSEMBLY_BYTES = 1 << 30  # all devices' partial uploads together, unless 4 devices' quotas are more
-ONLINE_BURST, ONLINE_WINDOW_S = 4, 120.0  # a device saying `online` this often this quickly is said: two with one id?
+
+@dataclass(frozen=True)
+class Saved:
+    """A state directory's checkpoint as the shell read it: state.json and the files it names."""
+
+    state: CoordinatorState
+    model: Mapping[str, np.ndarray]
+    registry: Mapping[str, Any]
+    backoff: Mapping[str, Any] | None
 
 
-class _Resent(WireError):
-    """An update this coordinator already accepted, sent again (a device resends at every RoundInfo it sees
-    again: docs/protocol.md calls it harmless): refused and counted as before, but no warning."""
-
-
-class Coordinator:
+class RoundEngine:
     """The fleet's rounds; what is done with their updates is `strategy`'s (a `Fleet` to it)."""
 
     def __init__(self, manifest: Manifest, initial: Mapping[str, np.ndarray], topics: Topics, config: Config,
-                 store: Store) -> None:
-        self.selecting = config.selection.clients_per_round is not None  # else every registered device takes part
-        seed = config.selection.selection_seed  # secret by default: no device learns its future rounds, and the
-        self._seed = new_seed() if seed is None else seed  # fixed-size sampling under DP assumes it (docs/privacy.md)
-        self._ranking = Ranking(self._seed)  # select()'s ranking, kept between top-ups (fedper/selection.py)
-        if config.privacy.noise_multiplier is not None and seed is not None:
-            check_seed(seed)
-        if config.selection.clients_per_round is not None:
-            self._invitations = invitations(config.selection.clients_per_round, config.selection.over_select)
-        self.answer_timeout = config.selection.answer_timeout or config.rounds.round_timeout / 2
-        self.manifest, self.topics, self.config, self.store = manifest, topics, config, store
-        self.strategy = strategy_for(config, manifest, store, topics, self)
+                 outbox: Outbox, saved: Saved | None, timer: Callable[[], float]) -> None:
+        self.manifest, self.topics, self.config, self.outbox, self._timer = manifest, topics, config, outbox, timer
+        self.strategy = strategy_for(config, manifest, outbox, topics, self)
         self.digest = manifest.base_digest
         self.model = decode_shared(manifest, encode_shared(manifest, initial))  # validated copy
-        self.registered: dict[str, Registration] = {}
-        self._median: tuple[int, float | None] = (-1, None)  # (registrations it counts, median n_samples)
-        self._registrations = 0  # changes to `registered` in this process: when _median is out of date
+        self._registry = Registry()
         self.counters: Counter[str] = Counter()
         self.round = RoundRecord(1)
-        self.finished = False
-        self.online: set[str] = set()
-        self._available: set[str] = set()  # online and registered, kept from those messages (no O(fleet) pass)
-        self.fold_seconds = 0.0  # spent folding and checkpointing accepted updates in this process (monitoring)
+        self.phase = Phase.COLLECTING
+        self._steps = {Step.CLOSE: self._close, Step.EXTEND: self._extend, Step.RELEASE: self._release,
+                       Step.OPEN: self._open_next, Step.REOPEN: self._reopen}
+        self._released: tuple[RoundRecord, dict[str, Any]] | None = None  # between RELEASE and OPEN
         self.bytes_sent = 0  # payload bytes the service published for this process (monitoring)
-        self._reassembler, self._rate = self._quotas(config.quotas, config.rounds.chunk_size,
-                                                        self.strategy.upload_size())
-        self._rejected: dict[str, set[str]] = {}  # device -> blob ids refused (and answered) in the open round
-        self._metas: dict[str, tuple[str, dict, UpdateMeta]] = {}  # device -> its blob's checked meta, this round
-        self._started: dict[str, set[str]] = {}  # device -> update blob ids it started in this round's attempt
-        self._muted: set[str] = set()  # devices past --max-uploads-per-round in this attempt
+        self._intake = Intake(config.quotas, config.rounds.chunk_size, self.strategy.upload_size(), topics)
         self._log = DeviceLog(log)  # per-device records at a bounded rate (coordinator/logs.py)
         # liveness of the open round's invitations (--clients-per-round), in this process: restarts begin afresh
-        self.backoff = Backoff()  # devices that left invitations unanswered (fedper/selection.py), checkpointed
-        self._backoff_file: str | None = None
-        self._backoff_dirty = False
-        self._invited_at: dict[str, float] = {}  # device -> when this process invited it (or resumed)
-        self._answered: set[str] = set()  # invited devices that sent something for the open round
-        self._lapsed: set[str] = set()  # invitations given up: their places went to the next devices
+        self._invitations = Invitations(config, self._registry.available, self.strategy, self._log)
+        self.selecting = self._invitations.selecting
         self._deadline = 0.0
         self._opened_at = 0.0
         self._broadcast_s = 0.0
-        self._model_blob: tuple[str, bytes, list[bytes], str] | None = None  # id, blob, frames, sha256
-        self._published_blob: tuple[str, int] | None = None  # retained chunks to clear when the model changes
+        self._announcements = Announcements(manifest, topics, config.rounds.chunk_size)
         self._state_dirty = True
         self._last_state = -1e18
-        self._registry_dirty = False  # a registration changed since the registry file was last written
-        self._registry_file: str | None = None  # the registry file state.json names (None: nobody registered)
-        self._written_registry: dict[str, Registration] = {}  # what that file holds
-        self._next_registry_commit = -1e18
+        self._next_registry_commit = self._paced_at = -1e18
         self._last_top_up = -1e18
         self._model_file = ""  # the open round's model file; "" until the first start writes it
         self._last_closed: tuple[int, frozenset[str]] = (0, frozenset())  # its number and whose update it folded
-        self._onlines: dict[str, tuple[float, int]] = {}  # device -> (its window's first `online`, how many since)
-        saved = CoordinatorState.read(store)
         if saved is not None:
             self._resume(saved)
         else:
@@ -141,78 +111,64 @@ class Coordinator:
         or invited), sampled without replacement (docs/privacy.md); else 1."""
         if not self.selecting:
             return 1.0
-        return min(1.0, max(len(closed.invited), 1) / max(self._drawn_from(closed.invited), 1))
+        return min(1.0, max(len(closed.invited), 1) /
+                   max(self._invitations.drawn_from(closed.invited, self.round.number), 1))
 
     def median_samples(self) -> float | None:
-        """The registered devices' median n_samples (None: nobody registered), recomputed only once a
-        registration changed: a weight cap per asynchronous version must not cost a pass over the fleet."""
-        if self._median[0] != self._registrations:
-            counts = [entry.n_samples for entry in self.registered.values()]
-            self._median = (self._registrations, float(np.median(counts)) if counts else None)
-        return self._median[1]
+        """The registered devices' median n_samples (None: nobody registered)."""
+        return self._registry.median_samples()
+
+    @property
+    def registered(self) -> Mapping[str, Registration]:
+        return self._registry.registered
+
+    @property
+    def online(self) -> Set[str]:
+        return self._registry.online
 
     # ------------------------------------------------------------ life cycle
 
-    def start(self, now: float) -> list[Outgoing]:
+    def start(self, now: float) -> list[Effect]:
         """Open the current round (round 1 on a fresh state directory) and announce it."""
         fresh = not self._model_file
         if fresh:
-            self._model_file = self.store.write_tensors("model-r1.safetensors", self.model)
+            self._model_file = self.outbox.write_tensors("model-r1.safetensors", self.model)
         selecting = self.selecting and not self.finished and not self.round.selected
-        self._invited_at = dict.fromkeys(self.round.invited, now)  # resumed: answer from now on
+        self._invitations.restart(self.round, now)  # resumed: answer from now on
         if selecting:
             self._select(now)
-        if fresh or selecting or self._registry_dirty:  # dirty here: a registry migrated out of state.json
+        if fresh or selecting or self._registry.dirty:  # dirty here: a registry migrated out of state.json
             self._commit(registry=True)
         self._opened_at = now
         self._deadline = now + self.config.rounds.round_timeout
-        return self.announce(now)
+        return [*self.outbox.drain(), *self.announce(now)]
 
-    def _resume(self, saved: CoordinatorState) -> None:
+    def _resume(self, loaded: Saved) -> None:
         """Pick up the checkpoint of an earlier run in the same state directory."""
-        if saved.base_digest != self.digest:
-            raise ValueError(f"{self.store.dir} holds the state of a run with another export (base_digest "
-                             f"{saved.base_digest or None}): use a fresh --state-dir")
-        if saved.fleet is not None and saved.fleet != self.topics.fleet:
-            raise ValueError(f"{self.store.dir} holds the state of fleet {saved.fleet!r}, not {self.topics.fleet!r}: "
-                             f"resume it with --fleet {saved.fleet}, or use a fresh --state-dir")
-        self.model = decode_shared(self.manifest, encode_shared(self.manifest, self.store.read_tensors(saved.model)))
+        saved = loaded.state
+        check_resumable(saved, self.digest, self.topics.fleet, self.outbox.dir)
+        self.model = decode_shared(self.manifest, encode_shared(self.manifest, loaded.model))
         self._model_file = saved.model
-        registry = saved.inline_registry if saved.inline_registry is not None else \
-            self.store.read_registry(saved.registry)
-        self.registered = {device: Registration(**entry) for device, entry in registry.items()}
-        self._registry_file = saved.registry
-        self._written_registry = dict(self.registered) if self._registry_file else {}
+        self._registry.resume(loaded.registry, saved.registry, inline=saved.inline_registry is not None)
         if saved.inline_registry is not None:  # written before the registry had its own file: start() moves it
-            log.info("migrating %d registration(s) from %s into a registry file", len(self.registered), self.store.dir)
-            self._registry_dirty = True
+            log.info("migrating %d registration(s) from %s into a registry file", len(self.registered), self.outbox.dir)
         self.counters = Counter(saved.counters)
-        if saved.backoff:
-            self.backoff = Backoff.from_json(self.store.read_registry(saved.backoff))
-            self._backoff_file = saved.backoff
-        self.finished = saved.finished
+        self._invitations.resume(loaded.backoff, saved.backoff)
+        self.phase = Phase.FINISHED if saved.finished else Phase.COLLECTING
         self.round = saved.round
-        self.store.trim_metrics(self.round.number if self.finished else self.round.number - 1)  # closed rounds'
+        self.outbox.trim_metrics(self.round.number if self.finished else self.round.number - 1)  # closed rounds'
         if not self.selecting:  # the open round keeps its invitations only when still selecting
             self.round.selected, self.round.invited, self.round.invite_cap = False, set(), 0
             self.round.carried = {}
         self.strategy.resume(saved.strategy, self.round, self.model, self.finished)
-        rounds, number = self.config.rounds.rounds, self.round.number
-        if self.finished and rounds > number and not self.strategy.stopped:
-            self.finished, self.round = False, RoundRecord(number + 1)  # its model: the final one
+        resumed, finished = self.round, self.finished
+        reopened = finished and self.config.rounds.rounds > resumed.number and not self.strategy.stopped
+        if reopened:  # more rounds than it ran: the next opens over the final model
+            self.phase, self.round = Phase.COLLECTING, RoundRecord(resumed.number + 1)
             self.strategy.open(self.round.number, self.model, finished=False)
             self._commit()
-            log.info("resumed from %s, finished after round %d: --rounds %d runs rounds %d to %d", self.store.dir,
-                     number, rounds, number + 1, rounds)
-        elif self.finished:
-            log.info("resumed from %s: the run finished after round %d%s; nothing to do", self.store.dir, number,
-                     " (stopped by its privacy budget)" if self.strategy.stopped else
-                     f": --rounds {rounds + 1} or more would run more" if rounds == number else
-                     f", past --rounds {rounds}")
-        else:
-            log.info("resumed from %s: round %d of %d, %d update(s) already accepted, %d device(s) registered%s",
-                     self.store.dir, number, rounds, len(self.round.folded), len(self.registered),
-                     f"; --rounds {rounds} is below it: the run finishes with this round" if number > rounds else "")
+        log_resumed(self.outbox.dir, resumed, self.config.rounds.rounds, finished, self.strategy.stopped, reopened,
+                    len(self.registered))
 
     def announce(self, now: float) -> list[Outgoing]:
         """Everything a device needs to join now (also after a broker restart lost retained messages)."""
@@ -231,33 +187,32 @@ class Coordinator:
             kind, device = self.topics.parse(topic)
         except WireError:
             return True
-        return self._rate.admit(device, now, upload=kind == "update")
+        return self._intake.admit(device, kind, now)
 
-    def handle(self, topic: str, payload: bytes, now: float, *, admitted: bool = False) -> list[Outgoing]:
+    def handle(self, topic: str, payload: bytes, now: float, *, admitted: bool = False) -> list[Effect]:
         """One incoming message; a bad one is refused before it changes anything, logged once, counted and
         answered on its device's error topic (a chunk of a blob already refused is dropped: one answer per
-        blob). admitted: `admit` passed it already (its rate token is spent). Raises only CheckpointError."""
+        blob). admitted: `admit` passed it already (its rate token is spent). Raises nothing: a bug is refused too."""
         device = None
         try:
             kind, device = self.topics.parse(topic)
-            if not admitted and not self._rate.admit(device, now, upload=kind == "update"):
-                return self._count_rate_limited(now)
-            if kind == "register":
-                return self._on_register(device, payload, now)
-            if kind == "presence":
-                self._on_presence(device, payload, now)
-                return []
-            if kind == "update":
-                return self._on_update(device, payload, now)
-            return self._on_strategy_message(kind, device, payload, now)
+            if not admitted and not self._intake.admit(device, kind, now):
+                out = self._count_rate_limited(now)
+            elif kind == "register":
+                out = self._on_register(device, payload, now)
+            elif kind == "presence":
+                out = self._on_presence(device, payload, now)
+            elif kind == "update":
+                out = self._on_update(device, payload, now)
+            else:
+                out = self._on_strategy_message(kind, device, payload, now)
         except WireError as e:
-            return self._reject(device, e.code, str(e), now, quiet=isinstance(e, _Resent))
-        except CheckpointError:
-            raise  # the service must stop unacknowledged: the broker redelivers to the restarted one
+            out = self._reject(device, e.code, str(e), now, quiet=isinstance(e, Resent))
         except Exception as e:  # a bug must cost one message, never the service; the device hears of it
-            return self._reject(device, "internal_error", f"{type(e).__name__}: {e}", now, error=e)
+            out = self._reject(device, "internal_error", f"{type(e).__name__}: {e}", now, error=e)
+        return [*self.outbox.drain(), *out]
 
-    def tick(self, now: float) -> list[Outgoing]:
+    def tick(self, now: float) -> list[Effect]:
         """Count the messages the rate limit dropped; close the round when it is complete or its deadline has
         passed with a quorum; checkpoint changed registrations (at most once per state_interval) and publish
         the state when it changed."""
@@ -267,60 +222,90 @@ class Coordinator:
             out += self._advance(now)
         if self.selecting and not self.finished and now - self._last_top_up >= self.config.rounds.state_interval:
             self._last_top_up = now  # devices that come online within one interval are ranked together
-            self._lapse(now)
+            if self.phase is Phase.COLLECTING:
+                self._invitations.lapse(self.round, now)
             out += self._top_up(now)
-        dirty = self._registry_dirty or self._backoff_dirty
+        dirty = self._registry.dirty or self._invitations.backoff_dirty
         if dirty and now >= self._next_registry_commit:  # registrations are checkpointed at this pace, however
-            started = time.perf_counter()  # often they change: a device re-registering must not buy an fsync each
-            self._commit(registry=True)
-            # an O(fleet) write takes at most a fifth of the engine's time: at 66,000 devices it took longer than
-            # state_interval, and a registration storm then bought one registry write per message (quadratic)
-            self._next_registry_commit = now + max(self.config.rounds.state_interval,
-                                                    4 * (time.perf_counter() - started))
+            self._commit(registry=True)  # often they change: a device re-registering must not buy an fsync each
+            self._paced_at, self._next_registry_commit = now, now + self.config.rounds.state_interval
         if self._state_dirty and now - self._last_state >= self.config.rounds.state_interval:
             out.append(self.state_message(now))
+        return [*self.outbox.drain(), *out]
+
+    def note_registry_written(self, seconds: float) -> None:
+        """The shell wrote the registry this tick committed in `seconds`: an O(fleet) write takes at most a fifth
+        of the engine's time (at 66,000 devices it took longer than state_interval, and a registration storm then
+        bought one registry write per message: quadratic)."""
+        self._next_registry_commit = max(self._next_registry_commit, self._paced_at + 4 * seconds)
+
+    @property
+    def finished(self) -> bool:
+        return self.phase is Phase.FINISHED
+
+    def _step(self, event: Event | None, now: float) -> list[Outgoing]:
+        """The table's row for (phase, event) (coordinator/rounds.py): move to its phase, run its steps."""
+        if event is None:
+            return []
+        self.phase, steps = TRANSITIONS.get((self.phase, event), (self.phase, ()))
+        out: list[Outgoing] = []
+        for step in steps:
+            out += self._steps[step](now)
         return out
 
     def _advance(self, now: float) -> list[Outgoing]:
         """The strategy's own deadlines; then the round's rule: it closes at quorum (--min-clients, and the
         strategy's) once everyone answered, M did with --clients-per-round, or the deadline passed."""
-        strategy = self.strategy
-        out = strategy.tick(now)
+        out = self.strategy.tick(now)
         self._state_dirty |= bool(out)
-        if strategy.collecting and not (strategy.ready or strategy.failed):
-            answered = strategy.answered(self.round.folded.keys())
-            done = len(answered)
-            complete = self.registered.keys() <= answered or (
-                self.selecting and done >= (self.config.selection.clients_per_round or 0))
-            if done >= max(self.config.rounds.min_clients, strategy.quorum) and (complete or now >= self._deadline):
-                out += strategy.close(now)
+        verdict = self._verdict()
+        if self.phase is Phase.COLLECTING and verdict is None:
+            done = len(self.strategy.answered(self.round.folded.keys()))
+            if done >= self._quorum() and (self._complete(done) or now >= self._deadline):
+                out += self._step(Event.COMPLETE, now)
             elif now >= self._deadline:
-                return out + self._extend(now, done, strategy.answers)
+                return out + self._step(Event.SHORT, now)
         return out + self._settle(now)
 
+    def _quorum(self) -> int:
+        return max(self.config.rounds.min_clients, self.strategy.quorum)
+
+    def _complete(self, done: int) -> bool:
+        """Whether everyone the round waits for answered: every registered device, or M with selection."""
+        answered = self.strategy.answered(self.round.folded.keys())
+        return self.registered.keys() <= answered or (
+            self.selecting and done >= (self.config.selection.clients_per_round or 0))
+
+    def _verdict(self) -> Event | None:
+        """What the strategy says of the round now: it may be released, or its attempt failed."""
+        return Event.READY if self.strategy.ready else Event.FAILED if self.strategy.failed else None
+
     def _settle(self, now: float) -> list[Outgoing]:
-        """Act on where the strategy is: ready closes the round, failed opens it again (a new attempt, its
-        deadline at least one round_timeout away, partial uploads dropped)."""
-        if self.strategy.ready:
-            return self._close_round(now)
-        if not self.strategy.failed:
-            return []
+        """Act on the strategy's verdict (after an update, a stage of its own, or a tick)."""
+        return self._step(self._verdict(), now)
+
+    def _close(self, now: float) -> list[Outgoing]:
+        return self.strategy.close(now)
+
+    def _reopen(self, now: float) -> list[Outgoing]:
+        """A new attempt at the round: its deadline at least one round_timeout away, partial uploads dropped."""
         self.strategy.open(self.round.number, self.model, finished=False)
         self._deadline = max(self._deadline, now + self.config.rounds.round_timeout)
-        self._reassembler.discard()
-        self._new_attempt()
+        self._intake.reassembler.discard()
+        self._intake.new_attempt()
         self._state_dirty = True
         return [self._round_message()]
 
-    def _extend(self, now: float, done: int, what: str) -> list[Outgoing]:
+    def _extend(self, now: float) -> list[Outgoing]:
         """The deadline passed below --min-clients: wait one more round_timeout (replacing dropouts when selecting)."""
         self.round.extensions += 1
         if self.selecting:
-            self._replace_dropouts()
+            self._invitations.replace_dropouts(self.round)
+            self._last_top_up = -1e18  # top up at once
         self._deadline = now + self.config.rounds.round_timeout
         log.warning("round %d: deadline passed with %d/%d %s, fewer than the %d it closes with: waiting %.1f s more "
-                    "(extension %d)", self.round.number, done, self.invited_count, what,
-                    max(self.config.rounds.min_clients, self.strategy.quorum), self.config.rounds.round_timeout,
+                    "(extension %d)", self.round.number, len(self.strategy.answered(self.round.folded.keys())),
+                    self.invited_count, self.strategy.answers, self._quorum(), self.config.rounds.round_timeout,
                     self.round.extensions)
         self._state_dirty = True
         return [self._round_message()]
@@ -336,118 +321,74 @@ class Coordinator:
 
     def _on_register(self, device: str, payload: bytes, now: float) -> list[Outgoing]:
         if not payload:  # the device cleared its retained registration: it left the fleet
-            self._available.discard(device)
-            if self.registered.pop(device, None) is not None:
+            if self._registry.unregister(device):
                 self._log.log(now, device, "unregistered", logging.INFO, "unregistered %s", device)
-                self._registry_dirty = self._state_dirty = True
-                self._registrations += 1
-                self._backoff_dirty |= self.backoff.answered(device)  # forgotten with it
+                self._state_dirty = True
+                self._invitations.forget(device)  # its misses are forgotten with it
             return []
-        msg = Register.decode(payload)  # every field checked: n_samples an integer in 1..2**53-1
-        if msg.base_digest != self.digest:
-            raise WireError("digest_mismatch", f"manifest base_digest {msg.base_digest} is not the coordinator's "
-                            f"{self.digest}: use the same export")
-        if msg.n_samples > self.config.quotas.max_samples_per_device:
-            raise WireError("too_many_samples", f"n_samples {msg.n_samples} is above the coordinator's "
-                            f"--max-samples-per-device {self.config.quotas.max_samples_per_device}: not registered")
-        entry = Registration(msg.n_samples, msg.software)  # replaces an earlier one: see docs/reliability.md
-        if self.registered.get(device) != entry:
+        entry = registration(payload, self.digest, self.config.quotas.max_samples_per_device)
+        if self._registry.register(device, entry):  # replaces an earlier one: see docs/reliability.md
             self._log.log(now, device, "registered", logging.INFO, "registered %s: %d samples, software %s", device,
-                          msg.n_samples, msg.software)
-            self.registered[device] = entry
-            self._registry_dirty = self._state_dirty = True
-            self._registrations += 1
+                          entry.n_samples, entry.software)
+            self._state_dirty = True
         if device in self.online:
-            self._make_available(device)
+            self._invitations.offer(device, self.round.number)
         return []
 
-    def _on_presence(self, device: str, payload: bytes, now: float) -> None:
-        status = bytes(payload)
-        if status not in (b"online", b"offline", b""):  # b"": the retained presence cleared
-            raise WireError("bad_message", f"presence must be online or offline, got {len(status)} other bytes")
-        if status == b"online":
-            self.online.add(device)
-            if device in self.registered:
-                self._make_available(device)
-        else:
-            self.online.discard(device)
-            self._available.discard(device)
+    def _on_presence(self, device: str, payload: bytes, now: float) -> list[Outgoing]:
+        is_online = says_online(payload)
+        if self._registry.presence(device, is_online, now):
+            self._invitations.offer(device, self.round.number)
         self._state_dirty = True
-        if status != b"online" and device in self.round.invited and self.strategy.collecting and \
-                device not in self.strategy.answered(self.round.folded.keys()):
-            self._lapsed.add(device)  # it declined, or dropped out: the next top-up invites another
-        if status == b"online":
-            self._count_online(device, now)
-
-    def _count_online(self, device: str, now: float) -> None:
-        """A device connects once and stays; one that says `online` ONLINE_BURST times within ONLINE_WINDOW_S is
-        most likely two agents with one client id, each connect taking the connection over from the other: said
-        once a window."""
-        first, count = self._onlines.get(device, (now, 0))
-        first, count = (first, count + 1) if now - first <= ONLINE_WINDOW_S else (now, 1)
-        self._onlines[device] = (first, count)
-        if count == ONLINE_BURST:
-            log.warning("device %s came online %d times in %.0f s: are two agents running with --client-id %s? "
-                        "Each connect takes the connection over from the other (or its network keeps dropping); "
-                        "give each device its own id", device, count, now - first, device)
+        if not is_online and self.phase is Phase.COLLECTING:
+            self._invitations.declined(device, self.round)  # or dropped out: the next top-up invites another
+        return []
 
     def _on_update(self, device: str, payload: bytes, now: float) -> list[Outgoing]:
         self.round.bytes_received += len(payload)
-        if device in self._muted:  # a message admitted before it was muted: counted, dropped unread
-            self.counters["over_quota"] += 1
-            self.round.rejected["over_quota"] += 1
+        if self._intake.muted(device):  # a message admitted before it was muted: counted, dropped unread
+            self._count(Counter(over_quota=1), state=False)
             return []
         chunk = decode_chunk(payload)  # its declared size is checked below, once per blob
-        if chunk.blob_id in self._rejected.get(device, ()):
+        if self._intake.refused(device, chunk.blob_id):
             return []  # the rest of a blob already refused (and answered) once
         try:
-            self._start_upload(device, chunk.blob_id)
-            registration = self.registered.get(device)
-            if registration is None:
-                raise WireError("unknown_device", f"{device} has not registered: publish register/{device} first")
-            meta = self._update_meta(device, chunk)
-            if self._accepted(device, meta.round):
-                raise _Resent("duplicate_update" if meta.round == self.round.number else "late_update",
-                              f"round {meta.round} update already accepted from {device}")
-            self.strategy.check(meta)  # the round it is for, its codec
-            if self.selecting and device not in self.round.invited:  # before reassembly: it costs no memory
-                raise WireError("not_invited", f"{device} is not invited to round {meta.round}: wait for an "
-                                f"invitation on {self.topics.invite(device)}")
-            if meta.base_digest != self.digest:
-                raise WireError("digest_mismatch", f"update base_digest {meta.base_digest} is not {self.digest}")
-            if meta.n_samples > self.config.quotas.max_samples_per_device:  # registered under a higher cap earlier
-                raise WireError("too_many_samples", f"n_samples {meta.n_samples} is above --max-samples-per-device "
-                                f"{self.config.quotas.max_samples_per_device}")
-            if meta.n_samples != registration.n_samples:
-                raise WireError("n_samples_mismatch", f"the update claims {meta.n_samples} samples, {device} "
-                                f"registered {registration.n_samples}: re-register, then resend")
-            self._note_answer(device)
-            blob = self._reassembler.add(device, chunk)
+            meta = self._intake.check(device, chunk, self.registered.get(device), self.round.number,
+                                      lambda meta: self._check_round(device, meta))
+            self._invitations.answer(device)
+            blob = self._intake.reassembler.add(device, chunk)
             if blob is None:
                 return []
-            started = time.perf_counter()
             folded, out = self.strategy.accept(device, blob.data, meta, now)
-            if folded:
-                self._folded(device, meta.n_samples, meta.metrics, started)
-        except CheckpointError:
-            raise
         except Exception:  # refused as a whole blob: its other chunks are dropped, the device is answered once
-            self._remember_rejected(device, chunk.blob_id)
-            self._reassembler.discard(device)
+            self._intake.refuse(device, chunk.blob_id)
             raise
+        if folded:
+            self._folded(device, meta.n_samples, meta.metrics)
         return out + self._settle(now)
+
+    def _check_round(self, device: str, meta: UpdateMeta) -> None:
+        """Refuse an update its round does not take: accepted already, another round, not invited, another export."""
+        if self._accepted(device, meta.round):
+            raise Resent("duplicate_update" if meta.round == self.round.number else "late_update",
+                         f"round {meta.round} update already accepted from {device}")
+        self.strategy.check(meta)  # the round it is for, its codec
+        if self.selecting and device not in self.round.invited:  # before reassembly: it costs no memory
+            raise WireError("not_invited", f"{device} is not invited to round {meta.round}: wait for an "
+                            f"invitation on {self.topics.invite(device)}")
+        if meta.base_digest != self.digest:
+            raise WireError("digest_mismatch", f"update base_digest {meta.base_digest} is not {self.digest}")
 
     def _accepted(self, device: str, round_: int) -> bool:
         """Whether this device's update for `round_` was folded: in the open round, or in the one closed last."""
         closed, folded = self._last_closed
         return device in (self.round.folded if round_ == self.round.number else folded if round_ == closed else ())
 
-    def _folded(self, device: str, n_samples: int, metrics: dict[str, float], started: float) -> None:
+    def _folded(self, device: str, n_samples: int, metrics: dict[str, float]) -> None:
         """The strategy folded (and checkpointed) the update: the round records it, then the commit."""
         self.round.folded[device] = Folded(n_samples, metrics)
         self.counters["accepted"] += 1
-        self._commit(registry=self._written_registry.get(device) != self.registered.get(device))  # see _commit
-        self.fold_seconds += time.perf_counter() - started
+        self._commit(registry=not self._registry.in_file(device))  # see _commit
         log.debug("round %d: accepted %s (%d samples, accuracy %s) [%d/%d]", self.round.number, device, n_samples,
                   metrics.get("accuracy", "n/a"), len(self.round.folded), self.invited_count)
 
@@ -461,7 +402,7 @@ class Coordinator:
         if self.selecting and device not in self.round.invited:
             raise WireError("not_invited", f"{device} is not invited to round {self.round.number}")
         out = self.strategy.on_message(device, kind, payload, now)
-        self._note_answer(device)
+        self._invitations.answer(device)
         self._state_dirty = True  # at most one state message per state_interval
         return out + self._settle(now)
 
@@ -470,9 +411,7 @@ class Coordinator:
         """Count, log (one record, with the traceback of an internal `error`; `quiet`: a harmless resend, at debug
         level; at most LOG_BURST a device per LOG_WINDOW_S, then a summary: coordinator/logs.py) and answer a
         refused message; a topic that names no device has nobody to answer."""
-        self.counters[code] += 1
-        self.round.rejected[code] += 1
-        self._state_dirty = True
+        self._count(Counter({code: 1}))
         self._log.log(now, device or "?", f"rejected {code}", logging.DEBUG if quiet else logging.WARNING,
                       "rejected %s from %s: %s", code, device or "?", message, exc_info=error)
         if device is None:
@@ -480,210 +419,76 @@ class Coordinator:
         answer = ErrorMessage(code, message[:MAX_ERROR_TEXT], self.round.number)
         return [Outgoing(self.topics.error(device), answer.encode())]
 
-    @staticmethod
-    def _quotas(quotas: Quotas, chunk_size: int, blob: int) -> tuple[Reassembler, MessageRateLimit]:
-        """Per-device quotas (docs/reliability.md, "Untrusted devices"): in-flight uploads, their
-        bytes and the message rate, each sized so that an honest device's upload (`blob` bytes) always fits."""
-        per_device = quotas.max_upload_bytes_per_device or 2 * blob + Reassembler.PARTIAL_COST
-        everyone = quotas.max_reassembly_bytes or max(DEFAULT_REASSEMBLY_BYTES, 4 * per_device)
-        if per_device < blob or everyone < per_device:
-            raise ValueError(f"--max-upload-bytes-per-device ({per_device}) must hold one update of the model "
-                             f"({blob} bytes) and --max-reassembly-bytes ({everyone}) one device's quota")
-        reassembler = Reassembler(blob, quotas.max_open_blobs, max_blobs_per_source=quotas.max_uploads_per_device,
-                                  max_bytes_per_source=per_device, max_bytes=everyone)
-        upload = chunk_count(blob, chunk_size)  # messages of one update at the coordinator's chunk size
-        rate = quotas.max_messages_per_second
-        return reassembler, MessageRateLimit(rate, burst=max(BURST_SECONDS * rate, 2 * upload + 16))
-
-    def _start_upload(self, device: str, blob_id: str) -> None:
-        """Count the update blobs (any blob id, refused ones too) the device started in this attempt of the
-        round; past --max-uploads-per-round it is answered once and muted: its uploads are dropped unread (by
-        `admit` in the network thread, here for those admitted before) until the next attempt. A device
-        opening uploads it never finishes then costs a set lookup a message, not a decode."""
-        started = self._started.setdefault(device, set())
-        if blob_id in started:
-            return
-        quota = self.config.quotas.max_uploads_per_round
-        if len(started) >= quota:
-            self._muted.add(device)
-            self._rate.mute(device)
-            raise WireError("over_quota", f"{device} started {quota} update blobs in round {self.round.number} "
-                            f"(--max-uploads-per-round): its update messages are dropped until the next round")
-        started.add(blob_id)
-
-    def _new_attempt(self) -> None:
-        """A round (or a new attempt at it) opens: upload quotas start afresh."""
-        self._started.clear()
-        self._muted.clear()
-        self._rate.unmute_all()
-
     def _count_rate_limited(self, now: float) -> list[Outgoing]:
-        """Messages dropped unread since the last call (here or by `admit` in the service's network thread):
-        all counted; logged and answered once per report window per device. Uploads of a muted device are
-        counted as over_quota (the device was answered when it was muted)."""
-        for count in self._rate.take_muted().values():
-            self.counters["over_quota"] += count
-            self.round.rejected["over_quota"] += count
-            self._state_dirty = True
-        out: list[Outgoing] = []
-        for device, count in self._rate.take_dropped().items():
-            self.counters["rate_limited"] += count
-            self.round.rejected["rate_limited"] += count
-            self._state_dirty = True
-            dropped = self._rate.report_due(device, now)
-            if dropped:
-                message = (f"dropped {dropped} message(s) unread since the last report: above "
-                           f"--max-messages-per-second {self.config.quotas.max_messages_per_second:g}")
-                log.warning("rate_limited %s: %s", device, message)
-                out.append(Outgoing(self.topics.error(device),
-                                    ErrorMessage("rate_limited", message, self.round.number).encode()))
+        """Messages dropped unread since the last call, counted; answered once per report window per device."""
+        counts, out = self._intake.rate_limited(now, self.round.number)
+        self._count(counts)
         return out
 
-    def _update_meta(self, device: str, frame: Chunk) -> UpdateMeta:
-        """The chunk's meta, every field checked (types, ranges, metrics' names and values): once per blob, as
-        every chunk of a blob repeats its meta (the reassembler refuses one that differs), not once per chunk."""
-        blob_id, raw, meta = self._metas.get(device, (None, None, None))
-        if meta is None or blob_id != frame.blob_id or raw != frame.meta:
-            meta = decode_update_meta(frame.meta)
-            self._metas[device] = (frame.blob_id, frame.meta, meta)
-        return meta
-
-    def _remember_rejected(self, device: str, blob_id: str) -> None:
-        """Per device, so that one device's flood of refused blobs never makes another's be answered twice."""
-        if device not in self._rejected and len(self._rejected) >= MAX_REJECTED_DEVICES:
-            self._rejected.clear()
-        refused = self._rejected.setdefault(device, set())
-        if len(refused) >= MAX_REJECTED_PER_DEVICE:
-            refused.clear()
-        refused.add(blob_id)
+    def _count(self, counts: Counter[str], state: bool = True) -> None:
+        """Refusals counted for the run and the open round (and, with `state`, the state message updated)."""
+        self.counters.update(counts)
+        self.round.rejected.update(counts)
+        self._state_dirty |= state and bool(counts)
 
     # ------------------------------------------------------------ selection (--clients-per-round)
 
+    @property
+    def backoff(self) -> Backoff:
+        return self._invitations.backoff
+
     def _select(self, now: float, carried: Mapping[str, int] | None = None, released: Iterable[str] = ()) -> None:
-        """The opening selection of the (new) open round, among the eligible devices (`_eligible`), beside the
-        invitations `carried` from earlier rounds; `released`: the earlier round's invitations that end with
-        it. The caller checkpoints it. Fewer than ceil(F * M) of them: _top_up invites more as they come online
-        or as invitations lapse."""
-        r = self.round
-        r.selected, r.invite_cap, r.seed, r.carried = True, self._invitations, self._seed, dict(carried or {})
-        room = max(0, r.invite_cap - len(self.strategy.places(r.carried.keys(), set())))
-        r.invited = set(r.carried)
-        if self.strategy.rerank_each_round:  # every device is ranked with this round's key: select()'s rule
-            self._ranking.clear()
-            self._ranking.offer(self._available, r.number)
-        else:  # the ranking knows the rest: candidates again are those released and those whose sit-out may end
-            self._ranking.offer(itertools.chain(released, self.backoff.misses), r.number)
-        r.invited |= set(self._ranking.take(room, self._eligible))
-        self._invited_at = dict.fromkeys(r.invited, now)
-        log.info("round %d: invited %d of %d device(s) online", r.number, len(r.invited), len(self.online))
-
-    def _eligible(self, device: str) -> bool:
-        """Whether the open round may invite the device: registered, online, not invited, not sitting out."""
-        return device in self._available and device not in self.round.invited and \
-            not self.backoff.sits_out(device, self.round.number)
-
-    def _make_available(self, device: str) -> None:
-        self._available.add(device)
-        if self.selecting:
-            self._ranking.offer((device,), self.round.number)
-
-    def _drawn_from(self, invited: Set[str]) -> int:
-        """How many devices `invited` was drawn from: eligible now (registered, online, not sitting out) or
-        invited; counted in O(invited + devices backed off), not O(fleet)."""
-        sitting = self.backoff.sitting_out(self.round.number)
-        eligible = len(self._available) - sum(1 for device in sitting if device in self._available)
-        return eligible + sum(1 for device in invited if device not in self._available or device in sitting)
-
-    def _note_answer(self, device: str) -> None:
-        """The device sent something valid for the open round: it is alive, and its backoff is over."""
-        if self.selecting:
-            self._answered.add(device)
-            self._backoff_dirty |= self.backoff.answered(device)
-
-    def _lapse(self, now: float) -> None:
-        """Give up the invitations not answered within --answer-timeout (a miss: the device sits out its next
-        rounds, fedper/selection.py), so that _top_up invites the next devices in their place; `_on_presence`
-        gives up those whose device says offline before delivering (no miss). A lapsed device stays invited:
-        its update is still accepted if it comes. Not after a restart's empty online set: only what is seen."""
-        r = self.round
-        if not self.strategy.collecting:
-            return
-        waiting = r.invited - self._lapsed - self._answered - self.strategy.answered(r.folded.keys())
-        for device in waiting:
-            if now - self._invited_at.setdefault(device, now) >= self.answer_timeout:
-                self._lapsed.add(device)
-                if self.backoff.missed(device, r.number):
-                    self._backoff_dirty = True
-                    misses = self.backoff.misses[device][0]
-                    self._log.log(now, device, "missed", logging.INFO, "round %d: %s did not answer its invitation "
-                                  "within %.1f s (%d in a row): inviting another, it sits out %d round(s)", r.number,
-                                  device, self.answer_timeout, misses, sit_out_rounds(misses))
+        self._invitations.select(self.round, now, carried, released)
+        log.info("round %d: invited %d of %d device(s) online", self.round.number, len(self.round.invited),
+                 len(self.online))
 
     def _top_up(self, now: float) -> list[Outgoing]:
-        """Invite eligible devices not invited yet, next in the seeded ranking, while fewer than ceil(F * M)
-        invitations are live (not lapsed); checkpointed before the invitations go out, so a restart re-sends
-        the same ones."""
-        r = self.round
-        room = r.invite_cap - len(self.strategy.places(r.invited - self._lapsed, r.folded.keys()))
-        if room <= 0:
-            return []
-        chosen = self._ranking.take(room, self._eligible)
-        if not chosen:
-            return []
-        r.invited.update(chosen)
-        self._invited_at.update(dict.fromkeys(chosen, now))
-        self._commit()
-        log.info("round %d: invited %d more device(s) [%d live of %d, %d lapsed]", r.number, len(chosen),
-                 len(r.invited - self._lapsed), r.invite_cap, len(self._lapsed))
+        """More invitations while fewer than ceil(F * M) are live: checkpointed before they go out."""
+        chosen = self._invitations.top_up(self.round, now)
+        if chosen:
+            self._commit()
         return [self._invitation(device) for device in chosen]
-
-    def _replace_dropouts(self) -> None:
-        """At an extension (the deadline passed below --min-clients): every invitation not delivered yet lapses
-        (without a miss: it may have started), so the round invites ceil(F * M) more that may answer."""
-        r = self.round
-        self._lapsed |= r.invited - self.strategy.answered(r.folded.keys())
-        self._last_top_up = -1e18  # top up at once
 
     # ------------------------------------------------------------ rounds
 
-    def _close_round(self, now: float) -> list[Outgoing]:
-        started = time.perf_counter()
+    def _release(self, now: float) -> list[Outgoing]:
+        """The strategy's model and figures for the closed round; the run goes on (NEXT) or ends (LAST)."""
+        started = self._timer()
         closed = self.round
         release = self.strategy.release(closed)
         if release.contributors is not None:  # known only now (a secure sum)
             closed.folded = release.contributors
             self.counters["accepted"] += len(closed.folded)
         self.model = {t.name: release.model[t.name].astype(t.dtype) for t in self.manifest.shared_tensors}
-        aggregate_s = time.perf_counter() - started
-        record = self._metrics(closed, now, aggregate_s)
+        record = round_record(closed, len(self.registered), self.selecting, now, collect_s=now - self._opened_at,
+                              broadcast_s=self._broadcast_s, aggregate_s=self._timer() - started)
         last = closed.number >= self.config.rounds.rounds
         record.update(self.strategy.record(closed, last))  # a DP strategy then adapts its clip norm
-        self.finished = last or self.strategy.stopped
+        self._released = (closed, record)
         self._last_closed = (closed.number, frozenset(closed.folded))
+        return self._step(Event.LAST if last or self.strategy.stopped else Event.NEXT, now)
+
+    def _open_next(self, now: float) -> list[Outgoing]:
+        """The next round (or, finished, the final model): selected, written, checkpointed, then announced."""
+        assert self._released is not None, "OPEN follows RELEASE"
+        (closed, record), self._released = self._released, None
         self.round = RoundRecord(closed.number if self.finished else closed.number + 1)
-        self._answered, self._lapsed = set(), set()
+        self._invitations.new_round()
         if self.selecting and not self.finished:
             carried = self._carried(closed)
             self._select(now, carried, closed.invited - carried.keys())
-        self._rejected.clear()
-        self._new_attempt()
-        self._model_file = self.store.write_tensors(f"model-r{closed.number + 1}.safetensors", self.model)
+        self._model_file = self.outbox.write_tensors(f"model-r{closed.number + 1}.safetensors", self.model)
         self.strategy.open(self.round.number, self.model, self.finished)
-        self._drop_uploads()
+        self._intake.new_round(self.finished, self._takes)
         if self.finished:
-            self.store.write_tensors(FINAL_FILE, self.model)
-        self.store.append_metrics(record)  # before the commit that closes the round: a restart trims it if need be
+            self.outbox.write_tensors(FINAL_FILE, self.model)
+        self.outbox.append_metrics(record)  # before the commit that closes the round: a restart trims it if need be
         self._commit(registry=True)  # once a round, registrations changed since the last tick go with it
-        mean, std = record["accuracy_mean"], record["accuracy_std"]
-        log.info("round %d closed: %d participant(s), %d samples, %.1f KiB received; the devices' accuracy of round "
-                 "%d's model (its base with each one's head, on its test split): %s", closed.number,
-                 record["participants"], record["n_samples"], record["bytes_received"] / 1024, closed.number,
-                 "none reported" if mean is None else f"{mean:.4f} ± {std:.4f}")
+        log_closed(record)
         self._opened_at, self._deadline, self._broadcast_s = now, now + self.config.rounds.round_timeout, 0.0
-        self._model_blob = None
+        self._announcements.forget_model()
         stale = sorted(closed.invited - self.round.invited)  # retained invitations of the closed round
-        cleared = [Outgoing(self.topics.invite(device), b"", retain=True) for device in stale]
-        return cleared + self.announce(now)
+        return self._announcements.cleared(stale) + self.announce(now)
 
     def _carried(self, closed: RoundRecord) -> dict[str, int]:
         """The closed round's invitations not answered yet (its own and those it carried) whose round the next
@@ -692,57 +497,26 @@ class Coordinator:
         waiting = closed.invited - self.strategy.answered(closed.folded.keys())
         return {device: r for device in waiting if (r := closed.carried.get(device, closed.number)) >= oldest}
 
-    def _drop_uploads(self) -> None:
-        """A round opened: drop the partial uploads it does not take (every one after a synchronous round; a
-        buffered round still takes those for earlier rounds, which a release must not cost their devices)."""
-        if self.finished:
-            self._metas.clear()
-            self._reassembler.discard()
-            return
-        for device, (_, _, meta) in list(self._metas.items()):
-            try:
-                self.strategy.check(meta)
-            except WireError:
-                del self._metas[device]
-                self._reassembler.discard(device)
-
-    def _metrics(self, closed: RoundRecord, now: float, aggregate_s: float) -> dict[str, Any]:
-        accuracies = [f.metrics["accuracy"] for f in closed.folded.values() if "accuracy" in f.metrics]
-        return {
-            "round": closed.number,
-            "participants": len(closed.folded),
-            "devices": sorted(closed.folded),
-            "registered": len(self.registered),
-            "n_samples": sum(f.n_samples for f in closed.folded.values()),
-            "accuracy_mean": float(np.mean(accuracies)) if accuracies else None,
-            "accuracy_std": float(np.std(accuracies)) if accuracies else None,
-            "bytes_received": closed.bytes_received,
-            "broadcast_s": round(self._broadcast_s, 4),
-            "collect_s": round(now - self._opened_at, 4),
-            "aggregate_s": round(aggregate_s, 4),
-            "deadline_extensions": closed.extensions,
-            "rejected": dict(closed.rejected),
-            "time": now,
-            **({"invited": len(closed.invited)} if self.selecting else {}),
-        }
+    def _takes(self, meta: UpdateMeta) -> bool:
+        """Whether the open round still takes an update with this meta (a partial upload is kept for it)."""
+        try:
+            self.strategy.check(meta)
+        except WireError:
+            return False
+        return True
 
     def _commit(self, registry: bool = False) -> None:
         """Make the open round current in state.json; with `registry`, first write the registry file if a
         registration changed. Only then is the commit O(fleet), so an accepted update asks for it only when
         its own device's registration is not in the file yet (a restart then knows every folded device):
         otherwise its commit is O(round + model) whatever the fleet's size."""
-        if registry and self._registry_dirty:
-            self._registry_file = self.store.write_registry(
-                {device: entry.to_json() for device, entry in self.registered.items()})
-            self._written_registry = dict(self.registered)
-            self._registry_dirty = False
-        if registry and self._backoff_dirty:  # as the registry: O(devices backed off), not in every commit
-            misses = self.backoff.to_json()
-            self._backoff_file = self.store.write_registry(misses, BACKOFF_PREFIX) if misses else None
-            self._backoff_dirty = False
-        CoordinatorState(self.digest, self._model_file, self.round, self.counters, self.finished,
-                         self._registry_file, self.strategy.checkpoint(), backoff=self._backoff_file,
-                         fleet=self.topics.fleet).write(self.store)
+        if registry:
+            self._registry.write(self.outbox)
+            self._invitations.write(lambda misses: self.outbox.write_registry(misses, BACKOFF_PREFIX))
+        state = CoordinatorState(self.digest, self._model_file, self.round, self.counters, self.finished,
+                                 self._registry.file, self.strategy.checkpoint(),
+                                 backoff=self._invitations.backoff_file, fleet=self.topics.fleet)
+        self.outbox.commit(state.to_json())
         self._state_dirty = True
 
     # ------------------------------------------------------------ outgoing
@@ -757,35 +531,14 @@ class Coordinator:
         return "final" if self.finished else f"r{self.round.number}"
 
     def _model_messages(self) -> list[Outgoing]:
-        blob_id = self.blob_id
-        if self._model_blob is None or self._model_blob[0] != blob_id:
-            blob = encode_shared(self.manifest, self.model)
-            frames = chunk(blob, self.config.rounds.chunk_size, blob_id, {"round": self.round.number})
-            # the digest its frames carry: the model is hashed once per round (by chunk), not per announcement
-            self._model_blob = (blob_id, blob, frames, decode_chunk(frames[0]).sha256)
-        out = []
-        if self._published_blob and self._published_blob[0] != blob_id:  # clear the old round's retained chunks
-            old_id, old_count = self._published_blob
-            out += [Outgoing(self.topics.model(old_id, i), b"", retain=True) for i in range(old_count)]
-        frames = self._model_blob[2]
-        self._published_blob = (blob_id, len(frames))
-        out += [Outgoing(self.topics.model(blob_id, i), f, retain=True, broadcast=True) for i, f in enumerate(frames)]
-        return out
+        return self._announcements.model(self.blob_id, self.round.number, self.model)
 
     def _round_message(self) -> Outgoing:
-        blob_id, blob, frames, digest = self._model_blob or (None, b"", [], hashlib.sha256(b"").hexdigest())
-        info = RoundInfo(
-            round=self.round.number, rounds=self.config.rounds.rounds, state="finished" if self.finished else "open",
-            deadline=self._deadline, blob_id=str(blob_id), size=len(blob), sha256=digest,
-            count=len(frames), base_digest=self.digest,
-            **({"selection": "invited", "next_selection_at": self._deadline} if self.round.selected else {}),
-            **self.strategy.round_fields(),
-        )
-        return Outgoing(self.topics.round, info.encode(), retain=True)
+        return self._announcements.round_info(self.round.number, self.config.rounds.rounds, self.finished,
+                                              self._deadline, self.round.selected, self.strategy.round_fields())
 
     def _invitation(self, device: str) -> Outgoing:
-        round_ = self.round.carried.get(device, self.round.number)
-        return Outgoing(self.topics.invite(device), Invitation(round_).encode(), retain=True)
+        return self._announcements.invitation(device, self.round.carried.get(device, self.round.number))
 
     @property
     def invited_count(self) -> int:
@@ -806,3 +559,4 @@ class Coordinator:
     def state_message(self, now: float) -> Outgoing:
         self._state_dirty, self._last_state = False, now
         return Outgoing(self.topics.state, json.dumps(self.state(now), separators=(",", ":")).encode(), retain=True)
+

@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector
 from fedper.coordinator.store import METRICS_FILE
 
 if TYPE_CHECKING:
-    from fedper.coordinator.engine import Coordinator
+    from fedper.coordinator.durable import Coordinator
 
 ROUND_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, float("inf"))  # a round: seconds to hours
 FAST_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, float("inf"))  # a fold, aggregation, broadcast

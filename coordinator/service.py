@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import paho.mqtt.client as mqtt
 
-from fedper.coordinator.engine import Coordinator
+from fedper.coordinator.durable import Coordinator
 from fedper.coordinator.logs import log
 from fedper.mqtt import BrokerUrl, Connected, Session, make_client
 from fedper.wire import Outgoing

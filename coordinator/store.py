@@ -107,10 +107,12 @@ class CoordinatorState:
 
     def write(self, store: Store) -> None:
         """Commit: state.json names exactly the files that stay."""
-        store.commit({"version": self.version, "base_digest": self.base_digest, "model": self.model,
-                      "round": self.round.to_json(), "counters": dict(self.counters), "finished": self.finished,
-                      "registry": self.registry, "strategy": self.strategy, "backoff": self.backoff,
-                      "fleet": self.fleet})
+        store.commit(self.to_json())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": self.version, "base_digest": self.base_digest, "model": self.model,
+                "round": self.round.to_json(), "counters": dict(self.counters), "finished": self.finished,
+                "registry": self.registry, "strategy": self.strategy, "backoff": self.backoff, "fleet": self.fleet}
 
     @classmethod
     def read(cls, store: Store) -> CoordinatorState | None:
@@ -168,13 +170,17 @@ class Store:
 
     def write_registry(self, registry: Mapping[str, Any], prefix: str = REGISTRY_PREFIX) -> str:
         """`registry` (or another JSON object of the fleet's size, named by `prefix`) as a file named by its
-        content, for a later commit to name; one already written (the same content) is not written again."""
-        data = json.dumps(registry, sort_keys=True, separators=(",", ":")).encode()
-        path = self.dir / f"{prefix}{hashlib.sha256(data).hexdigest()[:16]}.json"
+        content (`registry_file`), for a later commit to name."""
+        name, data = registry_file(registry, prefix)
+        self.write_file(name, data)
+        return name
+
+    def write_file(self, name: str, data: bytes) -> None:
+        """A file named by its content; one already written (the same content) is not written again."""
+        path = self.dir / name
         if not path.exists():
             with _writing(path):
                 checkpoint.atomic_write(path, data, PRIVATE)
-        return path.name
 
     def load_registry(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """The registered devices of a committed `state` (as JSON): the registry file it names (None: nobody),
@@ -236,6 +242,12 @@ class Store:
                 os.fsync(f.fileno())
         except OSError as e:
             raise CheckpointError(f"cannot append to {self.dir / METRICS_FILE}: {e}") from e
+
+
+def registry_file(registry: Mapping[str, Any], prefix: str = REGISTRY_PREFIX) -> tuple[str, bytes]:
+    """The name and bytes of a JSON object of the fleet's size: named by its content."""
+    data = json.dumps(registry, sort_keys=True, separators=(",", ":")).encode()
+    return f"{prefix}{hashlib.sha256(data).hexdigest()[:16]}.json", data
 
 
 def _file_refs(state: dict[str, Any]) -> list[str]:

@@ -11,6 +11,10 @@ with `ast` (nothing is imported, so lazy imports inside functions and TYPE_CHECK
 - the agent's engine (edge/engine.py) does no I/O: it imports no training backend, no MQTT client and
   nothing that reads or writes files or runs processes (the state directory's writer included), and calls
   no file method; its jobs are done by edge/agent.py.
+- the coordinator's engine (coordinator/engine.py) and its parts (rounds, registry, intake, invitations,
+  announcements, records) do no I/O either and read no clock: they import no MQTT client, not the state
+  directory's `Store`, the shell that carries out their effects (coordinator/durable.py) nor `time`, and call
+  no file method.
 
 Folders map to packages through pyproject.toml's [tool.setuptools.package-dir].
 """
@@ -53,7 +57,14 @@ FORBIDDEN = {
                            "fedper.edge.eligibility", "fedper.mqtt", "fedper.checkpoint", "fedper.data", "paho",
                            "onnxruntime", "torch", "os", "io", "pathlib", "shutil", "subprocess", "tempfile", "socket"),
 }
-PURE = ("fedper.edge.engine",)  # modules that may call no file method either
+# the coordinator's engine and the parts it is made of (docs/architecture.md): no I/O, no clock
+COORDINATOR_PURE = tuple(f"fedper.coordinator.{name}" for name in ("engine", "rounds", "registry", "intake",
+                                                                    "invitations", "announcements", "records"))
+FORBIDDEN |= {module: ("fedper.coordinator.store.Store", "fedper.coordinator.durable", "fedper.coordinator.service",
+                       "fedper.coordinator.cli", "fedper.coordinator.web", "fedper.coordinator.broker", "fedper.mqtt",
+                       "fedper.checkpoint", "paho", "time", "os", "io", "pathlib", "shutil", "subprocess", "tempfile",
+                       "socket") for module in COORDINATOR_PURE}
+PURE = ("fedper.edge.engine", *COORDINATOR_PURE)  # modules that may call no file method either
 FILE_CALLS = {"open", "read_text", "write_text", "read_bytes", "write_bytes", "mkdir", "unlink", "rename", "touch",
               "rmdir"}
 
@@ -140,9 +151,14 @@ def file_calls(root: Path) -> list[str]:
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.Call):
                 name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-                if name in FILE_CALLS:
+                if name in FILE_CALLS and not strategy_hook(node.func):
                     found.append(f"{path.relative_to(root)}:{node.lineno}: {module} calls {name}()")
     return found
+
+
+def strategy_hook(func: ast.expr) -> bool:
+    """`self.strategy.open(...)`: the aggregation strategy's hook that opens a round, not a file."""
+    return isinstance(func, ast.Attribute) and isinstance(func.value, ast.Attribute) and func.value.attr == "strategy"
 
 
 def test_every_layer_is_a_folder_of_the_wheel() -> None:
@@ -163,6 +179,14 @@ def test_the_agents_engine_does_no_io() -> None:
               "fedper.edge.backend", "fedper.edge.eligibility")
     code = (f"import sys, fedper.edge.engine; print(sorted(m for m in sys.modules if m.startswith({loaded!r}) "
             "and m.split('.')[0] in ('paho', 'onnxruntime', 'torch', 'fedper')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+def test_the_coordinators_engine_loads_no_mqtt_client_nor_its_shell() -> None:
+    """Its effects are carried out by coordinator/durable.py, its messages published by coordinator/service.py."""
+    loaded = ("paho", "fedper.mqtt", "fedper.coordinator.durable", "fedper.coordinator.service")
+    code = f"import sys, fedper.coordinator.engine; print(sorted(m for m in sys.modules if m.startswith({loaded!r})))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.strip() == "[]"
 
@@ -217,6 +241,12 @@ PYPROJECT = """
         ("edge/engine.py", "import paho.mqtt.client as mqtt\n", "imports paho.mqtt.client, which it may not"),
         ("edge/engine.py", "from pathlib import Path\n", "imports pathlib.Path, which it may not"),
         ("edge/engine.py", "from fedper.wire import Outgoing\nfrom .secure_round import SecureParticipant\n", None),
+        ("coordinator/engine.py", "from fedper.coordinator.store import RoundRecord, Store\n",
+         "fedper.coordinator.engine imports fedper.coordinator.store.Store, which it may not"),
+        ("coordinator/engine.py", "import time\n", "fedper.coordinator.engine imports time, which it may not"),
+        ("coordinator/engine.py", "from .durable import Coordinator\n", "imports fedper.coordinator.durable"),
+        ("coordinator/engine.py", "from fedper.coordinator.store import RoundRecord\nfrom .effects import Outbox\n",
+         None),
         ("export/x.py", "from fedper.models import build_model\nfrom .graph import rewrite\n", None),
         ("emulate/x.py", "from fedper.models.split import split\nfrom fedper.data import load_digits\n", None),
         ("cli/x.py", "".join(f"import {role}\n" for role in ROLES), None),
@@ -238,13 +268,17 @@ def test_checker_on_synthetic_sources(tmp_path: Path, file: str, source: str, br
     ("data = open('x').read()\n", "edge/engine.py:1: fedper.edge.engine calls open()"),
     ("def f(path):\n    path.write_bytes(b'')\n", "edge/engine.py:2: fedper.edge.engine calls write_bytes()"),
     ("state = 'open'\nwords = state.split()\n", None),
+    ("def f(self):\n    self.strategy.open(2, {}, False)\n", None),
+    ("def f(self):\n    self.store.open()\n", "edge/engine.py:2: fedper.edge.engine calls open()"),
 ])
-def test_file_calls_are_found_in_the_agents_engine_alone(tmp_path: Path, source: str, found: str | None) -> None:
+def test_file_calls_are_found_in_the_engines_alone(tmp_path: Path, source: str, found: str | None) -> None:
     (tmp_path / "pyproject.toml").write_text(PYPROJECT)
-    for name in ("engine.py", "agent.py"):
-        (tmp_path / "edge").mkdir(exist_ok=True)
-        (tmp_path / "edge" / name).write_text(source)
-    assert file_calls(tmp_path) == ([found] if found else [])
+    for folder, name in (("edge", "engine.py"), ("edge", "agent.py"), ("coordinator", "engine.py"),
+                         ("coordinator", "durable.py")):
+        (tmp_path / folder).mkdir(exist_ok=True)
+        (tmp_path / folder / name).write_text(source)
+    expected = [found, found.replace("edge", "coordinator")] if found else []
+    assert sorted(file_calls(tmp_path)) == sorted(expected)
 
 
 def test_checker_finds_a_broken_rule_in_a_copy_of_the_tree(tmp_path: Path) -> None:

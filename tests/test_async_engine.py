@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,10 @@ from scipy.stats import norm
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
 from fedper import selection
-from fedper.coordinator.engine import Config, Coordinator
-from fedper.coordinator.store import FINAL_FILE, METRICS_FILE, Store
+from fedper.coordinator.config import Config
+from fedper.coordinator.durable import Coordinator
+from fedper.coordinator.invitations import Invitations
+from fedper.coordinator.store import FINAL_FILE, METRICS_FILE, RoundRecord, Store
 from fedper.coordinator.strategies.mean import PARTIAL_EVERY
 from fedper.manifest import Manifest, ModelInfo, TensorSpec
 from fedper.wire import ErrorMessage, Invitation, RoundInfo, Topics
@@ -191,9 +194,14 @@ def test_a_version_costs_no_pass_over_the_online_fleet(tmp_path: Path, monkeypat
     version draws selection keys for the devices it released only and asks about as few devices whether
     they may be invited, the same at 300 and at 3,000 online devices."""
     drawn, asked = [], []
-    real_key, real_eligible = selection.selection_key, Coordinator._eligible
+    real_key, real_eligible = selection.selection_key, Invitations._eligible
     monkeypatch.setattr(selection, "selection_key", lambda *args: drawn.append(args) or real_key(*args))
-    monkeypatch.setattr(Coordinator, "_eligible", lambda c, device: asked.append(device) or real_eligible(c, device))
+
+    def eligible(invitations: Invitations, r: RoundRecord) -> Callable[[str], bool]:
+        check = real_eligible(invitations, r)
+        return lambda device: asked.append(device) or check(device)
+
+    monkeypatch.setattr(Invitations, "_eligible", eligible)
     work = {}
     for n in (300, 3_000):
         c = make(tmp_path / str(n), rounds=10, buffer_size=5, clients_per_round=5, selection_seed=11)
@@ -268,10 +276,10 @@ def test_a_synchronous_round_still_drops_uploads_under_way_when_it_closes(tmp_pa
     frames = chunks(safetensors(plus(c.model, 1.0)), {"round": 1, "n_samples": 10,
                                                       "base_digest": MANIFEST.base_digest}, "part", 32)
     c.handle(TOPICS.update(device), frames[0], 1.0)
-    assert len(c._reassembler) == 1
+    assert len(c._intake.reassembler) == 1
     assert send(c, device, plus(c.model, 1.0), 1, 10, blob_id="whole") == []
     c.tick(2.0)
-    assert c.round.number == 2 and len(c._reassembler) == 0
+    assert c.round.number == 2 and len(c._intake.reassembler) == 0
 
 
 @pytest.mark.parametrize("aggregator", ["mean", "median"])

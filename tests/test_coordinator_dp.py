@@ -26,7 +26,8 @@ from helpers.legacy_state import rewrite_as_earlier
 from helpers.processes import run_fleet
 from safetensors.numpy import load_file
 
-from fedper.coordinator.engine import Config, Coordinator
+from fedper.coordinator.config import Config
+from fedper.coordinator.durable import Coordinator
 from fedper.coordinator.store import FINAL_FILE, METRICS_FILE, Store
 from fedper.coordinator.strategies.mean import PARTIAL_EVERY
 from fedper.manifest import Manifest, ModelInfo, TensorSpec

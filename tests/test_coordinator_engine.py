@@ -13,8 +13,9 @@ from helpers.toy_export import write_toy_export
 from safetensors.numpy import load_file
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
-from fedper.coordinator.engine import Config, Coordinator, Registration
-from fedper.coordinator.store import Store
+from fedper.coordinator.config import Config
+from fedper.coordinator.durable import Coordinator
+from fedper.coordinator.store import Registration, Store
 from fedper.payload import encode_shared
 from fedper.wire import ErrorMessage, Register, RoundInfo, Topics, UpdateMeta, chunk
 
@@ -430,11 +431,11 @@ def test_an_update_from_a_device_not_invited_is_refused_at_its_first_chunk_witho
     outsider = next(d for d in DEVICES[:6] if d not in invitations)
     out = upload(c, outsider, frames=1)
     assert errors(out) == ["not_invited"] and out[0].topic == TOPICS.error(outsider)
-    assert len(c._reassembler) == 0 and c._reassembler.bytes == 0  # nothing held for it
+    assert len(c._intake.reassembler) == 0 and c._intake.reassembler.bytes == 0  # nothing held for it
     assert upload(c, outsider) == []  # the rest of the refused blob: dropped unanswered, one answer per blob
     assert c.counters["not_invited"] == 1 and c.round.rejected["not_invited"] == 1 and not c.round.folded
     upload(c, sorted(invitations)[0], frames=1)
-    assert len(c._reassembler) == 1  # an invited device's first chunk is reassembled: the check above can fail
+    assert len(c._intake.reassembler) == 1  # an invited device's first chunk is reassembled: the check above can fail
     assert "`not_invited`" in (Path(__file__).parents[1] / "docs" / "protocol.md").read_text()
 
 
@@ -664,3 +665,54 @@ def test_the_settings_name_exactly_the_aggregation_rules_there_are() -> None:
     from fedper.coordinator.strategies.mean import AGGREGATORS
 
     assert tuple(AGGREGATORS) == AGGREGATOR_NAMES
+
+
+def test_the_engine_writes_nothing_itself_and_returns_its_writes_before_its_messages(tmp_path: Path) -> None:
+    """The pure engine: every write is an effect, in the order decided, ahead of the messages; a clock it reads
+    only through `timer`. The shell (Coordinator) carrying them out gives the same files as before."""
+    from fedper.coordinator.effects import AppendMetrics, Commit, Outbox, WriteFile, WriteSlot, WriteTensors
+    from fedper.coordinator.engine import RoundEngine
+    from fedper.wire import Outgoing
+
+    config = Config.of(rounds=2, min_clients=2, round_timeout=10.0, chunk_size=50)
+    engine = RoundEngine(MANIFEST, tiny_tensors(), TOPICS, config, Outbox(Store(tmp_path)), None, lambda: 0.0)
+    effects = engine.start(0.0)
+    kinds = [type(e).__name__ for e in effects]
+    assert kinds[:2] == ["WriteTensors", "Commit"] and set(kinds[2:]) == {"Outgoing"}
+    for device, n in (("a", 10), ("b", 30)):
+        registration = Register(n, MANIFEST.base_digest, "t/1").encode()
+        assert all(isinstance(e, Outgoing) for e in engine.handle(TOPICS.register(device), registration, 0.0))
+    folded = []
+    for device, n in (("a", 10), ("b", 30)):
+        meta = UpdateMeta(1, n, MANIFEST.base_digest, {"accuracy": 0.5}, "fp32")
+        for frame in chunk(encode_shared(MANIFEST, shifted(1.0)), 40, "u", meta.to_dict()):
+            folded += engine.handle(TOPICS.update(device), frame, 1.0)
+    # a's commit first writes the registry (both registrations), which it names; b's needs none
+    assert [type(e) for e in folded] == [WriteSlot, WriteFile, Commit, WriteSlot, Commit]
+    assert folded[2].state["registry"] == folded[1].name and b'"b"' in folded[1].data
+    assert folded[2].state["round"]["folded"].keys() == {"a"}  # a snapshot: b came after it
+    closing = engine.tick(2.0)
+    writes = [e for e in closing if not isinstance(e, Outgoing)]
+    assert [type(e) for e in writes] == [WriteTensors, AppendMetrics, Commit]
+    assert writes[0].name == writes[2].state["model"] == "model-r2.safetensors"
+    assert writes[1].record["round"] == 1 and writes[1].record["aggregate_s"] == 0.0  # the timer given
+    assert closing.index(writes[-1]) < min(closing.index(m) for m in closing if isinstance(m, Outgoing))
+    assert list(tmp_path.iterdir()) == []  # the engine wrote nothing
+
+
+def test_the_round_table_reaches_every_phase_and_runs_every_step(tmp_path: Path) -> None:
+    """coordinator/rounds.py's table is the machine: every step is some row's, every phase some row's target;
+    a round driven to its end passes COLLECTING -> FINISHED, and a pair the table lacks changes nothing."""
+    from fedper.coordinator.rounds import TRANSITIONS, Event, Phase, Step
+
+    assert {step for _, steps in TRANSITIONS.values() for step in steps} == set(Step)
+    assert {phase for phase, _ in TRANSITIONS.values()} == set(Phase)
+    c = make(tmp_path, rounds=1, min_clients=1)
+    c.start(0.0)
+    register(c, "a", 10)
+    assert c.phase is Phase.COLLECTING
+    assert c._step(Event.NEXT, 1.0) == [] and c.phase is Phase.COLLECTING  # not a row: nothing moves
+    send(c, "a", shifted(1.0), 10)
+    c.tick(2.0)
+    assert c.phase is Phase.FINISHED and c.finished and c.round.number == 1
+    assert c._step(Event.COMPLETE, 3.0) == [] and c.phase is Phase.FINISHED

@@ -23,7 +23,8 @@ from helpers.toy_export import write_toy_export
 from safetensors.numpy import load_file, save
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
-from fedper.coordinator.engine import Config, Coordinator
+from fedper.coordinator.config import Config
+from fedper.coordinator.durable import Coordinator
 from fedper.coordinator.service import run_service
 from fedper.coordinator.store import Store
 from fedper.manifest import Manifest

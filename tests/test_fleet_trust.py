@@ -27,7 +27,8 @@ from helpers.frames import chunks, safetensors
 from test_untrusted_engine import BASE, answers, meta, registration, shifted
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
-from fedper.coordinator.engine import Config, Coordinator
+from fedper.coordinator.config import Config
+from fedper.coordinator.durable import Coordinator
 from fedper.coordinator.logs import DeviceLog
 from fedper.coordinator.store import Store
 from fedper.selection import MAX_SIT_OUT_ROUNDS, Backoff, select, sit_out_rounds

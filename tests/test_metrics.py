@@ -20,7 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_coordinator_live import FLEET, Device, wait_for, write_artifacts
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
-from fedper.coordinator.engine import Config, Coordinator
+from fedper.coordinator.config import Config
+from fedper.coordinator.durable import Coordinator
 from fedper.coordinator.metrics import CoordinatorMetrics
 from fedper.coordinator.store import Store
 from fedper.payload import encode_shared

@@ -19,7 +19,8 @@ from helpers.frames import chunks, to_json
 from helpers.identities import write_identity, write_root
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
-from fedper.coordinator.engine import Config, Coordinator
+from fedper.coordinator.config import Config
+from fedper.coordinator.durable import Coordinator
 from fedper.coordinator.store import Store
 from fedper.edge.secure_round import SecureParticipant
 from fedper.manifest import Manifest, ModelInfo, TensorSpec

@@ -21,7 +21,8 @@ from helpers.recording import Recorder
 from test_coordinator_live import TOPICS, Device, assert_model, expected_model, wait_for
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
-from fedper.coordinator.engine import Config, Coordinator
+from fedper.coordinator.config import Config
+from fedper.coordinator.durable import Coordinator
 from fedper.coordinator.service import run_service
 from fedper.coordinator.store import Store
 from fedper.mqtt import parse_broker_url

@@ -27,8 +27,8 @@ from safetensors.numpy import load
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
 from fedper.aggregation import CoordinateMedian, TrimmedMean, WeightedMean
-from fedper.coordinator.config import DEFAULT_MAX_SAMPLES_PER_DEVICE
-from fedper.coordinator.engine import Config, Coordinator
+from fedper.coordinator.config import DEFAULT_MAX_SAMPLES_PER_DEVICE, Config
+from fedper.coordinator.durable import Coordinator
 from fedper.coordinator.store import Store
 from fedper.manifest import Manifest
 from fedper.wire import (

@@ -26,7 +26,8 @@ from helpers.processes import Processes, agent_args, coordinator_args, finish, w
 from helpers.recording import Recorder
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
-from fedper.coordinator.engine import Config, Coordinator
+from fedper.coordinator.config import Config
+from fedper.coordinator.durable import Coordinator
 from fedper.coordinator.quota import REPORT_EVERY_S, MessageRateLimit
 from fedper.coordinator.store import Store
 from fedper.manifest import Manifest
@@ -123,7 +124,7 @@ def test_engine_drops_a_flood_early_answers_once_per_window_and_folds_every_hone
     for n in range(50_000):
         f = frame(f"f{n}", n % 4096, 4096, 1, bytes(4096), flood_meta)
         answers += coordinator.handle("fedper/v1/lab/update/flooder", f, 0.2 + n * 20 / 50_000)
-    assert 3 <= len(coordinator._reassembler) <= 3 + config.quotas.max_uploads_per_device
+    assert 3 <= len(coordinator._intake.reassembler) <= 3 + config.quotas.max_uploads_per_device
     for device, frames in honest.items():
         for f in frames[len(frames) // 2 :]:
             assert coordinator.handle(f"fedper/v1/lab/update/{device}", f, 20.5) == []
@@ -131,7 +132,7 @@ def test_engine_drops_a_flood_early_answers_once_per_window_and_folds_every_hone
     coordinator.tick(20.6)  # counts what admit() dropped since the flood's last message
     dropped = coordinator.counters["rate_limited"]
     passed = 50_000 - dropped
-    assert passed <= coordinator._rate.burst + 500 * 20.5 and dropped > 30_000
+    assert passed <= coordinator._intake.rate.burst + 500 * 20.5 and dropped > 30_000
     assert coordinator.counters["over_quota"] == passed - config.quotas.max_uploads_per_round
     codes = [json.loads(a.payload)["code"] for a in answers]
     assert codes.count("over_quota") == 1 and set(codes) == {"rate_limited", "over_quota"}
@@ -147,7 +148,7 @@ def test_engine_counts_what_admit_dropped_in_another_thread_at_its_next_tick(tmp
     config = Config.of(rounds=1, min_clients=1, round_timeout=60, max_messages_per_second=10)
     coordinator = Coordinator(manifest, initial, Topics("lab"), config, Store(tmp_path))
     coordinator.start(0.0)
-    burst = coordinator._rate.burst
+    burst = coordinator._intake.rate.burst
     topic = "fedper/v1/lab/update/flooder"
     admitted: list[bool] = []
     network = threading.Thread(target=lambda: admitted.extend(coordinator.admit(topic, 1.0) for _ in range(5_000)))
@@ -162,8 +163,8 @@ def test_engine_counts_what_admit_dropped_in_another_thread_at_its_next_tick(tmp
     assert coordinator.admit(register_topic, 100.0)
     coordinator.handle(register_topic, register(10, manifest.base_digest), 100.0, admitted=True)
     assert "dev0" in coordinator.registered
-    assert coordinator._rate._buckets["dev0"].tokens == burst - 1  # one token for the message, not two
-    assert coordinator._rate.take_dropped() == {}
+    assert coordinator._intake.rate._buckets["dev0"].tokens == burst - 1  # one token for the message, not two
+    assert coordinator._intake.rate.take_dropped() == {}
 
 
 def _update_blob(manifest: Manifest, initial: dict, delta: float) -> bytes:
