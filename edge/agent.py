@@ -62,6 +62,7 @@ class AgentConfig:
     eval_finetune_epochs: int = 1  # FedBABU: fine-tuning epochs before each evaluation (0: serve the frozen head)
     eval_finetune: str = "all"  # FedBABU: what that fine-tune trains, "all" (their Algorithm 2) or "head"
     backend: str = "ort"
+    device: str = "cpu"  # where the torch backend trains: "cpu" or "cuda" (the CLI resolves --device auto)
     seed: int = 0
     username: str | None = None
     password: str | None = None
@@ -151,7 +152,7 @@ class Agent:
                 )
         self.state = DeviceState(config.state_dir)
         self.data = load_local_data(config.data, self.manifest, self.state, config.seed)
-        self.backend = open_backend(config.backend, config.artifacts, self.manifest)
+        self.backend = open_backend(config.backend, config.artifacts, self.manifest, config.device)
         saved = self.state.load(self.manifest)
         if saved is not None:
             self.backend.load(saved.local)

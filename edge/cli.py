@@ -33,6 +33,9 @@ def run(
     eval_finetune: str = typer.Option("all", help="FedBABU: what that fine-tune trains: all (their paper) or head."),
     backend: str = typer.Option("auto", help="Local training runtime: ort (onnxruntime-training), torch, or auto: "
                                 "ort where onnxruntime-training is installed, else torch (the first line says which)."),
+    device: str = typer.Option("auto", help="Where the torch backend trains: cuda (a Jetson's GPU), cpu, or auto: "
+                               "cuda where torch sees a GPU, else cpu (the first line says which). The ort backend "
+                               "trains on the CPU."),
     seed: int = typer.Option(
         0,
         help="Seed of the train/test split and of the batch order "
@@ -94,9 +97,20 @@ def run(
     )
     try:
         _check_data(data)  # before the backend's line: a wrong path is answered in one line
+        from fedper.edge.torch_backend import DEVICES, torch_device
+
+        if device not in DEVICES:
+            raise ValueError(f"--device {device!r}: choose one of {', '.join(DEVICES)}")
         runtime, line = choose_backend(backend)
+        where = "cpu"
+        if runtime == "torch":
+            where, place = torch_device(device)
+            line = f"{line} {place}"
+        elif device == "cuda":
+            raise ValueError(f"--device cuda trains with the torch backend; this is {runtime} (--backend {backend}): "
+                             "add --backend torch")
         typer.echo(f"fedper-agent: {line}", err=True)
-        config = replace(config, backend=runtime)
+        config = replace(config, backend=runtime, device=where)
         check_codec(compression)
         with skipping_unreadable_images() if skip_unreadable_images else nullcontext([]) as skipped:
             agent = Agent(config, log=lambda line: typer.echo(line, err=True))
