@@ -16,12 +16,13 @@ app = typer.Typer(help="FedPer device agent: trains locally, sends the base, kee
 
 @app.callback(invoke_without_command=True)
 def run(
-    artifacts: Path = typer.Option(..., help="Export directory from fedper-export (checked against its manifest)."),
-    data: Path = typer.Option(..., help="Local data: an image folder (train/<class>/*, optional test/) or an .npz."),
-    broker: str = typer.Option(..., help="Broker URL, mqtt://host:1883 or mqtts://host:8883."),
-    fleet: str = typer.Option(..., help="Fleet name: topics live under fedper/v1/<fleet>/."),
-    client_id: str = typer.Option(..., help="This device's id, stable across restarts."),
-    state_dir: Path = typer.Option(..., help="Where the head, the data split and the last round survive restarts."),
+    ctx: typer.Context,
+    artifacts: Path = typer.Option(None, help="Export directory from fedper-export (checked against its manifest)."),
+    data: Path = typer.Option(None, help="Local data: an image folder (train/<class>/*, optional test/) or an .npz."),
+    broker: str = typer.Option(None, help="Broker URL, mqtt://host:1883 or mqtts://host:8883."),
+    fleet: str = typer.Option(None, help="Fleet name: topics live under fedper/v1/<fleet>/."),
+    client_id: str = typer.Option(None, help="This device's id, stable across restarts."),
+    state_dir: Path = typer.Option(None, help="Where the head, the data split and the last round survive restarts."),
     local_epochs: int = typer.Option(1, min=1, help="Local epochs per round (E)."),
     batch_size: int = typer.Option(32, min=1, help="Local batch size (B)."),
     lr: float = typer.Option(0.01, min=0.0, help="SGD learning rate (eta)."),
@@ -74,7 +75,16 @@ def run(
         False, help="Leave out the image files in --data that cannot be decoded (counted and named at start) "
                     "instead of stopping at the first one."),
 ) -> None:
-    """Train rounds until the coordinator announces the final model; resumes from --state-dir."""
+    """Train rounds until the coordinator announces the final model; resumes from --state-dir.
+    `fedper-agent predict IMAGE... --state-dir DIR` classifies images with the device's personal model."""
+    if ctx.invoked_subcommand is not None:
+        return
+    missing = [f"--{name.replace('_', '-')}" for name, value in (
+        ("artifacts", artifacts), ("data", data), ("broker", broker), ("fleet", fleet), ("client_id", client_id),
+        ("state_dir", state_dir)) if value is None]
+    if missing:
+        typer.echo(f"fedper-agent: missing option(s) {', '.join(missing)}", err=True)
+        raise typer.Exit(2)
     from fedper.compression import check_codec
     from fedper.data import DataError, UnreadableImage, skipping_unreadable_images
     from fedper.edge.agent import Agent, AgentConfig
@@ -128,6 +138,30 @@ def run(
     except KeyboardInterrupt:
         typer.echo("interrupted: the state is saved, run the same command to rejoin", err=True)
         raise typer.Exit(130) from None
+
+
+@app.command()
+def predict(
+    images: list[Path] = typer.Argument(..., help="Image files to classify (resized as training images are)."),
+    state_dir: Path = typer.Option(..., help="The agent's --state-dir: it holds personal.onnx and personal.json."),
+    top: int = typer.Option(3, min=1, help="How many classes to print per image, most probable first."),
+) -> None:
+    """Classify images with this device's personal model (its last served base and head) under onnxruntime."""
+    from fedper.data import DataError
+    from fedper.edge.personal import predict as classify
+    from fedper.edge.personal import top_classes
+
+    try:
+        info, logits = classify(state_dir, images)
+    except (DataError, ValueError, OSError) as e:
+        typer.echo(f"fedper-agent predict: {e}", err=True)
+        raise typer.Exit(2) from None
+    accuracy = info.get("accuracy")
+    typer.echo(f"personal model of round {info['round']}{' (final)' if info.get('final') else ''}: accuracy "
+               f"{'unmeasured' if accuracy is None else f'{100 * accuracy:.0f} %'} on its test images "
+               f"({info['chance']})")
+    for path, best in zip(images, top_classes(logits, info["classes"], top), strict=True):
+        typer.echo(f"{path}: " + ", ".join(f"{name} {100 * p:.1f} %" for name, p in best))
 
 
 def _check_data(data: Path) -> None:
