@@ -244,14 +244,22 @@ def demo(
         procs.stop_all()
         broker.stop()
 
+    from fedper.data import chance_accuracy, chance_words
+
     table = Table(title=f"personalized accuracy after {rounds} rounds ({dataset}, {devices} devices)")
-    for column in ("device", "classes", "train images", "FedPer", "FedAvg"):
+    for column in ("device", "classes", "train images", "FedPer", "FedAvg", "chance"):
         table.add_column(column, justify="left" if column in ("device", "classes") else "right")
-    for d in fleet:
+    chances = [chance_accuracy([d.y_test], len(train.classes), personal=True) for d in fleet]
+    for d, chance in zip(fleet, chances, strict=True):
         table.add_row(d.name, ",".join(d.classes), str(d.n_train),
-                      *(f"{results[a]['final'][d.name]:.3f}" for a in ("fedper", "fedavg")))
-    table.add_row("mean", "", "", *(f"{np.mean(list(results[a]['final'].values())):.3f}" for a in ("fedper", "fedavg")))
+                      *(f"{results[a]['final'][d.name]:.3f}" for a in ("fedper", "fedavg")), f"{chance:.3f}")
+    table.add_row("mean", "", "", *(f"{np.mean(list(results[a]['final'].values())):.3f}" for a in ("fedper", "fedavg")),
+                  f"{np.mean(chances):.3f}")
     Console().print(table)
+    Console().print("chance: what guessing scores on each device's test images, by always answering its most "
+                    "frequent class (1/k for k balanced classes):")
+    for d in fleet:
+        Console().print(f"  {d.name}: {chance_words(d.y_test)}")
     plot(results, fleet, train.classes, dataset, out / "demo.png")
     (out / "results.json").write_text(json.dumps(results, indent=2))
     console.print(f"wrote {out / 'demo.png'} and {out / 'results.json'} in {time.monotonic() - started:.0f} s")

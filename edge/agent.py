@@ -20,7 +20,7 @@ import numpy as np
 
 from fedper.algorithms import Phase, check_trained, get_algorithm
 from fedper.batches import PURPOSE_FINETUNE
-from fedper.data import DataError, load_image_folder, load_npz, to_float_nchw
+from fedper.data import DataError, chance_words, load_image_folder, load_npz, to_float_nchw
 from fedper.edge.backend import check_artifacts, open_backend
 from fedper.edge.eligibility import Conditions
 from fedper.edge.engine import (
@@ -39,6 +39,7 @@ from fedper.edge.engine import (
     Saved,
     TrainRound,
 )
+from fedper.edge.personal import PERSONAL_MODEL, PersonalModel
 from fedper.edge.state import DeviceState
 from fedper.manifest import Manifest
 from fedper.wire import DEFAULT_CHUNK_SIZE, Outgoing, RoundInfo, UpdateMeta
@@ -62,6 +63,7 @@ class AgentConfig:
     eval_finetune_epochs: int = 1  # FedBABU: fine-tuning epochs before each evaluation (0: serve the frozen head)
     eval_finetune: str = "all"  # FedBABU: what that fine-tune trains, "all" (their Algorithm 2) or "head"
     backend: str = "ort"
+    device: str = "cpu"  # where the torch backend trains: "cpu" or "cuda" (the CLI resolves --device auto)
     seed: int = 0
     username: str | None = None
     password: str | None = None
@@ -151,7 +153,9 @@ class Agent:
                 )
         self.state = DeviceState(config.state_dir)
         self.data = load_local_data(config.data, self.manifest, self.state, config.seed)
-        self.backend = open_backend(config.backend, config.artifacts, self.manifest)
+        self.backend = open_backend(config.backend, config.artifacts, self.manifest, config.device)
+        self.personal = PersonalModel(config.artifacts, self.manifest, manifest_classes(self.manifest))
+        self.chance = chance_words(self.data.y_test)  # beside every accuracy a person reads
         saved = self.state.load(self.manifest)
         if saved is not None:
             self.backend.load(saved.local)
@@ -219,6 +223,7 @@ class Agent:
         c, d = self.config, self.data
         untuned = self._tune_for_serving(round_) if len(d.y_test) else None
         accuracy, test_loss = self.backend.evaluate(d.x_test, d.y_test)
+        served = self.backend.read(self.manifest.names())
         if untuned is not None:
             self.backend.load(untuned)  # training goes on from the untuned model, as the emulator's state does
         samples, seconds, losses = 0, 0.0, []
@@ -238,7 +243,8 @@ class Agent:
             update=self.backend.read(self.manifest.names(shared=True)), metrics=metrics,
         )
         self.state.save(saved)
-        self.log(f"round {round_}: served accuracy {accuracy:.4f} (test loss {test_loss:.4f}); trained "
+        self._serve(served, round_, accuracy)
+        self.log(f"round {round_}: served accuracy {accuracy:.4f} ({self.chance}; test loss {test_loss:.4f}); trained "
                  f"{samples} samples in {seconds:.1f} s ({samples / max(seconds, 1e-9):.0f} samples/s), "
                  f"train loss {losses[-1]:.4f}; peak RSS {peak_rss_mb():.0f} MB")
         return saved
@@ -250,10 +256,19 @@ class Agent:
         self.backend.load(job.model)
         self._tune_for_serving(info.rounds + 1)  # the emulator's evaluation after round R keys it R + 1
         accuracy, loss = self.backend.evaluate(self.data.x_test, self.data.y_test)
-        self.log(f"finished after {info.rounds} rounds: personalized accuracy {accuracy:.4f}")
-        self.state.save_served(self.backend.read(self.manifest.names()),
-                               {"rounds": info.rounds, "accuracy": accuracy, "loss": loss})
+        self.log(f"finished after {info.rounds} rounds: personalized accuracy {accuracy:.4f} ({self.chance}); "
+                 f"the model: {self.state.dir / PERSONAL_MODEL}")
+        served = self.backend.read(self.manifest.names())
+        self.state.save_served(served, {"rounds": info.rounds, "accuracy": accuracy, "loss": loss})
+        self._serve(served, info.rounds + 1, accuracy, final=True)
         return accuracy
+
+    def _serve(self, served: Mapping[str, np.ndarray], round_: int, accuracy: float, final: bool = False) -> None:
+        """The personal model an app runs (edge/personal.py), with the accuracy measured on it and its chance line."""
+        record = {"round": round_, "final": final, "accuracy": accuracy if math.isfinite(accuracy) else None,
+                  "chance": self.chance}
+        with self.state.saving(self.state.dir / PERSONAL_MODEL):
+            self.personal.write(self.state.dir, served, record)
 
     def _tune_for_serving(self, round_: int) -> Mapping[str, np.ndarray] | None:
         """FedBABU: fine-tune the loaded model in place, as the device serves it (their Algorithm 2), with

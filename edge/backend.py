@@ -121,8 +121,9 @@ def check_artifacts(directory: str | Path) -> Manifest:
     return manifest
 
 
-def open_backend(kind: str, artifacts: str | Path, manifest: Manifest) -> Backend:
-    """Backends import their runtime lazily: a device needs only the one it uses."""
+def open_backend(kind: str, artifacts: str | Path, manifest: Manifest, device: str = "cpu") -> Backend:
+    """Backends import their runtime lazily: a device needs only the one it uses. `device` ("cpu" or "cuda",
+    resolved by torch_backend.torch_device) is where the torch backend trains; the ORT one trains on the CPU."""
     if kind == "ort":
         from fedper.edge.ort_backend import OrtBackend
 
@@ -130,7 +131,7 @@ def open_backend(kind: str, artifacts: str | Path, manifest: Manifest) -> Backen
     if kind == "torch":
         from fedper.edge.torch_backend import TorchBackend
 
-        return TorchBackend(Path(artifacts), manifest)
+        return TorchBackend(Path(artifacts), manifest, device)
     raise ValueError(f"unknown backend {kind!r}; choose ort or torch (choose_backend resolves auto)")
 
 

@@ -16,12 +16,13 @@ app = typer.Typer(help="FedPer device agent: trains locally, sends the base, kee
 
 @app.callback(invoke_without_command=True)
 def run(
-    artifacts: Path = typer.Option(..., help="Export directory from fedper-export (checked against its manifest)."),
-    data: Path = typer.Option(..., help="Local data: an image folder (train/<class>/*, optional test/) or an .npz."),
-    broker: str = typer.Option(..., help="Broker URL, mqtt://host:1883 or mqtts://host:8883."),
-    fleet: str = typer.Option(..., help="Fleet name: topics live under fedper/v1/<fleet>/."),
-    client_id: str = typer.Option(..., help="This device's id, stable across restarts."),
-    state_dir: Path = typer.Option(..., help="Where the head, the data split and the last round survive restarts."),
+    ctx: typer.Context,
+    artifacts: Path = typer.Option(None, help="Export directory from fedper-export (checked against its manifest)."),
+    data: Path = typer.Option(None, help="Local data: an image folder (train/<class>/*, optional test/) or an .npz."),
+    broker: str = typer.Option(None, help="Broker URL, mqtt://host:1883 or mqtts://host:8883."),
+    fleet: str = typer.Option(None, help="Fleet name: topics live under fedper/v1/<fleet>/."),
+    client_id: str = typer.Option(None, help="This device's id, stable across restarts."),
+    state_dir: Path = typer.Option(None, help="Where the head, the data split and the last round survive restarts."),
     local_epochs: int = typer.Option(1, min=1, help="Local epochs per round (E)."),
     batch_size: int = typer.Option(32, min=1, help="Local batch size (B)."),
     lr: float = typer.Option(0.01, min=0.0, help="SGD learning rate (eta)."),
@@ -33,6 +34,9 @@ def run(
     eval_finetune: str = typer.Option("all", help="FedBABU: what that fine-tune trains: all (their paper) or head."),
     backend: str = typer.Option("auto", help="Local training runtime: ort (onnxruntime-training), torch, or auto: "
                                 "ort where onnxruntime-training is installed, else torch (the first line says which)."),
+    device: str = typer.Option("auto", help="Where the torch backend trains: cuda (a Jetson's GPU), cpu, or auto: "
+                               "cuda where torch sees a GPU, else cpu (the first line says which). The ort backend "
+                               "trains on the CPU."),
     seed: int = typer.Option(
         0,
         help="Seed of the train/test split and of the batch order "
@@ -71,7 +75,16 @@ def run(
         False, help="Leave out the image files in --data that cannot be decoded (counted and named at start) "
                     "instead of stopping at the first one."),
 ) -> None:
-    """Train rounds until the coordinator announces the final model; resumes from --state-dir."""
+    """Train rounds until the coordinator announces the final model; resumes from --state-dir.
+    `fedper-agent predict IMAGE... --state-dir DIR` classifies images with the device's personal model."""
+    if ctx.invoked_subcommand is not None:
+        return
+    missing = [f"--{name.replace('_', '-')}" for name, value in (
+        ("artifacts", artifacts), ("data", data), ("broker", broker), ("fleet", fleet), ("client_id", client_id),
+        ("state_dir", state_dir)) if value is None]
+    if missing:
+        typer.echo(f"fedper-agent: missing option(s) {', '.join(missing)}", err=True)
+        raise typer.Exit(2)
     from fedper.compression import check_codec
     from fedper.data import DataError, UnreadableImage, skipping_unreadable_images
     from fedper.edge.agent import Agent, AgentConfig
@@ -94,9 +107,20 @@ def run(
     )
     try:
         _check_data(data)  # before the backend's line: a wrong path is answered in one line
+        from fedper.edge.torch_backend import DEVICES, torch_device
+
+        if device not in DEVICES:
+            raise ValueError(f"--device {device!r}: choose one of {', '.join(DEVICES)}")
         runtime, line = choose_backend(backend)
+        where = "cpu"
+        if runtime == "torch":
+            where, place = torch_device(device)
+            line = f"{line} {place}"
+        elif device == "cuda":
+            raise ValueError(f"--device cuda trains with the torch backend; this is {runtime} (--backend {backend}): "
+                             "add --backend torch")
         typer.echo(f"fedper-agent: {line}", err=True)
-        config = replace(config, backend=runtime)
+        config = replace(config, backend=runtime, device=where)
         check_codec(compression)
         with skipping_unreadable_images() if skip_unreadable_images else nullcontext([]) as skipped:
             agent = Agent(config, log=lambda line: typer.echo(line, err=True))
@@ -114,6 +138,30 @@ def run(
     except KeyboardInterrupt:
         typer.echo("interrupted: the state is saved, run the same command to rejoin", err=True)
         raise typer.Exit(130) from None
+
+
+@app.command()
+def predict(
+    images: list[Path] = typer.Argument(..., help="Image files to classify (resized as training images are)."),
+    state_dir: Path = typer.Option(..., help="The agent's --state-dir: it holds personal.onnx and personal.json."),
+    top: int = typer.Option(3, min=1, help="How many classes to print per image, most probable first."),
+) -> None:
+    """Classify images with this device's personal model (its last served base and head) under onnxruntime."""
+    from fedper.data import DataError
+    from fedper.edge.personal import predict as classify
+    from fedper.edge.personal import top_classes
+
+    try:
+        info, logits = classify(state_dir, images)
+    except (DataError, ValueError, OSError) as e:
+        typer.echo(f"fedper-agent predict: {e}", err=True)
+        raise typer.Exit(2) from None
+    accuracy = info.get("accuracy")
+    typer.echo(f"personal model of round {info['round']}{' (final)' if info.get('final') else ''}: accuracy "
+               f"{'unmeasured' if accuracy is None else f'{100 * accuracy:.0f} %'} on its test images "
+               f"({info['chance']})")
+    for path, best in zip(images, top_classes(logits, info["classes"], top), strict=True):
+        typer.echo(f"{path}: " + ", ".join(f"{name} {100 * p:.1f} %" for name, p in best))
 
 
 def _check_data(data: Path) -> None:

@@ -8,6 +8,9 @@
                         metrics and the local tensors' names in its JSON metadata
     final.json          after the last round: the accuracy and loss of the model the device serves
     served.safetensors  that model: the final base and the device's head (FedBABU: fine-tuned)
+    personal.onnx, personal.json  the model served in the last round (after the last: the final one) as an
+                        ONNX inference model plain onnxruntime runs, and its classes and preprocessing
+                        (edge/personal.py)
 
 Every file is replaced atomically (fedper.checkpoint): a kill or a full disk leaves the previous version
 whole. Only the agent's jobs write here (edge/agent.py), never the engine. A device.safetensors of the
@@ -97,6 +100,8 @@ class DeviceState:
         with _saving(path):
             checkpoint.write_json(path, body, mode=PRIVATE)
         return train, test
+
+    saving = staticmethod(_saving)  # a write under the state directory that fails says so as a StateError
 
     def save(self, saved: Saved) -> None:
         meta = {"round": saved.round, "base_digest": saved.base_digest, "n_samples": saved.n_samples,

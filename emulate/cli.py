@@ -118,7 +118,11 @@ def run(
                                                   "same values to float32 rounding; not the vmap engine)"),
     input_size: int | None = typer.Option(None, min=1, help="Image side in pixels (default: the data's; digits 32)"),
     scale: float = typer.Option(1.0, help="Fraction (<= 1) of the samples and rounds kept, for smoke runs"),
-    out: Path = typer.Option(Path("runs/emulate"), help="Run directory: config.json, metrics.jsonl, state.safetensors"),
+    out: Path = typer.Option(Path("runs/emulate"), help="Run directory: config.json, metrics.jsonl, "
+                             "state.safetensors, and model.safetensors (the shared tensors) when it ends"),
+    init: Path | None = typer.Option(None, help="Start from these weights (every client alike): a fedper-emulate "
+                                     "run directory, torchvision's ResNet-34 file or this project's state_dict, as "
+                                     "fedper-export --init takes them"),
     resume: bool = typer.Option(False, help="Continue the run in --out from its state.safetensors, with its saved "
                                             "settings (an option given that differs is named, not applied)"),
     progress: bool = typer.Option(True, help="Show progress: a bar in a terminal, else a line a round"),
@@ -176,7 +180,7 @@ def run(
                 dp_budget_action=dp_budget_action, dp_adaptive_quantile=dp_adaptive_clipping,
             ),
             rounds=max(1, round(rounds * scale)),  # --scale shrinks the rounds too, never to none
-            device=device,
+            device=device, init=str(init) if init else None,
         )
         if resume and holds_run(out) and (out / CONFIG).is_file():
             saved = RunConfig.from_json((out / CONFIG).read_text())
@@ -204,6 +208,10 @@ def run(
         _fail(str(e))
     if rank:
         return
+    weights = summary.get("weights")
+    if weights is not None:
+        typer.echo(f"weights from {weights['name']} (sha256 {weights['sha256'][:16]}..., {weights['format']})"
+                   + "".join(f"; {note}" for note in weights["notes"]), err=True)
     dp = summary.get("dp")
     spent = ""
     if dp is not None:

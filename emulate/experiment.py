@@ -1,7 +1,8 @@
 """A run on disk: DIR/config.json, DIR/data.json (what the data set is, each client's sample counts and
-the accuracy of a guess from the label prior), DIR/metrics.jsonl (one line per round), DIR/summary.json and
+the accuracy of a guess from the label prior), DIR/metrics.jsonl (one line per round), DIR/summary.json,
 DIR/state.safetensors (a fedper.checkpoint, rewritten atomically after every round), so a killed
-run resumes from its last round and ends exactly where an uninterrupted one would. A run saved
+run resumes from its last round and ends exactly where an uninterrupted one would, and, when it ends,
+DIR/model.safetensors: its shared tensors, which `--init DIR` starts another run or an export from. A run saved
 before the checkpoint format (DIR/state.pt, written by torch.save) is converted once on --resume.
 
 Under torch.distributed (torchrun, or `run_spawned`) each rank trains its share of the clients;
@@ -28,6 +29,7 @@ from fedper.emulate import distributed
 from fedper.emulate.data import DataConfig, load_fleet_data
 from fedper.emulate.fleet import Fleet, FleetConfig, FleetState, load_state, resolve_device, save_state
 from fedper.emulate.progress import Board, Event
+from fedper.models.warm_start import RUN_WEIGHTS, save_weights, warm_start
 
 CONFIG, METRICS, SUMMARY, STATE = "config.json", "metrics.jsonl", "summary.json", "state.safetensors"
 DATA = "data.json"
@@ -47,6 +49,7 @@ class RunConfig:
     fleet: FleetConfig
     rounds: int = 100
     device: str = "auto"
+    init: str | None = None  # a checkpoint the run starts from (fedper.models.warm_start), else the seeded weights
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
@@ -54,7 +57,8 @@ class RunConfig:
     @classmethod
     def from_json(cls, text: str) -> RunConfig:
         body = json.loads(text)
-        return cls(DataConfig(**body["data"]), FleetConfig(**body["fleet"]), body["rounds"], body["device"])
+        return cls(DataConfig(**body["data"]), FleetConfig(**body["fleet"]), body["rounds"], body["device"],
+                   body.get("init"))
 
 
 def _read_metrics(path: Path, upto: int) -> list[dict]:
@@ -84,6 +88,8 @@ def run_experiment(
             return run_experiment(config, out, resume=resume, algorithm=algorithm, report=board.report, label=label)
     out = Path(out)
     config, saved, history = distributed.from_rank0(lambda: _prepare(config, out, resume))
+    if config.init and saved is None:  # every client starts from the checkpoint, as agents from one export do
+        config = replace(config, fleet=replace(config.fleet, local_init="broadcast"))
     device = distributed.local_device(resolve_device(config.device))
     data = load_fleet_data(config.data, device)
     if distributed.world_size() > len(data.clients):
@@ -93,6 +99,7 @@ def run_experiment(
                        "so drop --world-size (or torchrun) or --clients-per-round")
     members = distributed.share(len(data.clients), distributed.rank(), distributed.world_size())
     fleet = Fleet(config.fleet, data, algorithm, members=members)
+    weights = _warm_start(fleet, config.init, device) if saved is None and config.init else None
     state = fleet.init() if saved is None else _to_device(saved, device)
     writer = distributed.rank() == 0
     if writer:
@@ -120,12 +127,28 @@ def run_experiment(
         tell({"event": "round", "run": key, "round": state.round, "rounds": config.rounds,
               "accuracy": metrics["mean_accuracy"], "wall_s": metrics["wall_s"]})
     tell({"event": "end", "run": key})
+    if writer:  # what `--init DIR` starts another run or an export from
+        save_weights(out / RUN_WEIGHTS, state.shared, architecture=config.fleet.model, width=config.fleet.width,
+                     input_size=data.input_size, classes=data.classes, device_local=fleet.local_names)
     summary = _summary(config, fleet, history)
+    if weights is not None:
+        summary["weights"] = weights
     if state.privacy is not None:
         summary["dp"] = _privacy_summary(config, state, budget_stopped)
     if writer:
         checkpoint.write_json(out / SUMMARY, summary, indent=2)
     return summary
+
+
+def _warm_start(fleet: Fleet, init: str, device: torch.device) -> dict:
+    """Start `fleet` from the checkpoint `init` (every client's local tensors from it too, as agents from one
+    export start); returns where the weights came from, with its notes."""
+    from fedper.training import load_tensors
+
+    start = warm_start(init, fleet.model, fleet.config.model)
+    fleet.initial = {n: t.to(device) for n, t in start.state.items()}
+    load_tensors(fleet.model, fleet.initial)
+    return {**start.record, "notes": list(start.notes)}
 
 
 class _StepReporter:

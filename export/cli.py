@@ -63,6 +63,10 @@ def export(
         "every BatchNorm tensor stays on the device, never sent), batch (FedBABU: evaluate and serve with the "
         "batch's own statistics; the eval graphs carry no running statistics)."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory."),
+    init: Path = typer.Option(
+        None, "--init", help="Start from these weights instead of --seed's: torchvision's ResNet-34 file as "
+        "published, a state_dict of this project's model (torch.save or safetensors), or a fedper-emulate run "
+        "directory. Read as tensors only; the classifier is re-initialized for another class count."),
     out: Path = typer.Option(None, "--out", help="Output directory (created; written atomically)."),
 ) -> None:
     """Export training artifacts (the default command): see the options below."""
@@ -87,12 +91,18 @@ def export(
             manifest = export_artifacts(
                 out, model=model, kp=kp, num_classes=num_classes, input_size=input_size, width=width,
                 algorithm=algorithm, seed=seed, classes=names, ort_format=ort_format, graph=graph, bn=bn, force=force,
+                init=init,
                 progress=lambda what, done, total: bar.update(task, description=what, completed=done, total=total),
             )
     except (ValueError, OSError) as e:
         _fail(str(e))
     from fedper.verify import summary
 
+    weights = manifest.weights
+    if "sha256" in weights:
+        typer.echo(f"weights from {weights['name']} (sha256 {weights['sha256'][:16]}..., {weights['format']})")
+        for note in weights["notes"]:
+            typer.echo(note)
     typer.echo(f"wrote {out}\n{summary(manifest, out)}")
 
 

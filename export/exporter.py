@@ -20,6 +20,7 @@ from fedper.export.graph import GRAPHS
 from fedper.export.onnx_export import ExportError, convert_to_ort, torch_to_onnx, write_artifact_set, write_inference
 from fedper.manifest import Manifest, sha256_file
 from fedper.models import build_model, describe, exported_state
+from fedper.models.warm_start import warm_start
 from fedper.payload import encode_shared
 
 Progress = Callable[[str, int, int], None]  # (what is being done, steps done, steps in all)
@@ -41,11 +42,15 @@ def export_artifacts(
     bn: str = "shared",
     force: bool = False,
     state_dict: Mapping[str, torch.Tensor] | None = None,
+    init: Path | None = None,
     progress: Progress | None = None,
 ) -> Manifest:
     """Export and return the manifest written to `out`/manifest.json.
 
-    `state_dict` exports given weights (e.g. a trained model) instead of the seeded initialization;
+    `state_dict` exports given weights (e.g. a trained model) instead of the seeded initialization; `init` reads
+    them from an untrusted checkpoint file (fedper.models.warm_start: torchvision's ResNet-34, this project's
+    own state_dict, an emulator run), re-initializing the classifier for another class count, and the manifest's
+    `weights` records the file's name and sha256;
     `graph` "fast" builds the graphs from ops ORT trains faster on CPU (fedper.export.graph); `bn` is the
     BatchNorm policy (fedper.manifest.BN_POLICIES), written in the manifest and built into the eval graphs.
     """
@@ -57,11 +62,17 @@ def export_artifacts(
     with torch.random.fork_rng(devices=[]):  # seeded init without touching the caller's RNG
         torch.manual_seed(seed)
         net = build_model(model, num_classes, width, input_size)
+    if state_dict is not None and init is not None:
+        raise ExportError("give the weights as a state_dict or as an init checkpoint, not both")
+    weights: dict[str, object] = {"seed": seed} if state_dict is None else {"state_dict": "given to export_artifacts"}
+    if init is not None:
+        start = warm_start(init, net, model)  # CheckpointError (a ValueError) before anything is written
+        state_dict, weights = start.state, {**start.record, "notes": list(start.notes)}
     if state_dict is not None:
         _load_weights(net, state_dict)
     manifest = dataclasses.replace(describe(
         net, architecture=model, kp=kp, algorithm=algorithm, input_size=input_size, width=width, classes=classes, bn=bn
-    ), graph=graph)
+    ), graph=graph, weights=weights)
     sets = artifact_sets_for(algorithm, kp)
     report = progress or (lambda what, done, total: None)
     total = 1 + len(sets) + int(ort_format)

@@ -68,6 +68,8 @@ class Manifest:
     # the ops the graphs were built with: "stock" (torch.onnx's) or "fast" (fedper.export.graph); same tensors
     graph: str = "stock"
     bn: str = "shared"  # the BatchNorm policy, one of BN_POLICIES (see the module docstring)
+    # where the export's weights came from: {"seed": N}, or a checkpoint's name, sha256, format, classifier, notes
+    weights: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
     def names(self, role: str | None = None, *, shared: bool | None = None) -> list[str]:
@@ -108,6 +110,8 @@ class Manifest:
 
     def to_json(self) -> str:
         body = asdict(self)
+        if not self.weights:  # a manifest that no export wrote (the emulator's, the test vectors') says nothing
+            del body["weights"]
         body["base_digest"] = self.base_digest
         return json.dumps(body, indent=2, sort_keys=False) + "\n"
 
@@ -133,7 +137,7 @@ class Manifest:
                 model=model, algorithm=body["algorithm"], tensors=tensors,
                 versions=dict(body.get("versions", {})), files=dict(body.get("files", {})),
                 artifact_sets=dict(body.get("artifact_sets", {})), graph=str(body.get("graph", "stock")),
-                bn=str(body.get("bn", "shared")),
+                bn=str(body.get("bn", "shared")), weights=dict(body.get("weights", {})),
             )
         except (KeyError, TypeError) as e:
             raise ManifestError(f"malformed manifest: {type(e).__name__}: {e}") from None

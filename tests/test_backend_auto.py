@@ -155,7 +155,8 @@ def test_an_agent_without_onnxruntime_trains_a_round_with_torch(tmp_path: Path, 
     assert finish(coordinator, 60, "the coordinator", coordinator_log) == 0
     lines = stderr_lines(agent)
     assert lines[0].startswith("fedper-agent: training with torch ")
-    assert lines[0].endswith("(--backend auto: onnxruntime-training is not installed)")
+    assert "(--backend auto: onnxruntime-training is not installed) on " in lines[0]
+    assert lines[0].endswith("(--device auto)")  # and where it trains: the CPU here, CUDA where torch sees a GPU
     assert any("finished after 1 rounds" in line for line in lines), lines
     final = load_file(str(state / "final.safetensors"))
     initial = load_file(str(tiny_artifacts / "base.safetensors"))

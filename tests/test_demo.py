@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 SMALL = ["--devices", "2", "--rounds", "1", "--max-samples", "240", "--width", "0.25", "--classes-per-device", "2"]
@@ -53,6 +54,12 @@ def test_demo_runs_fedper_and_fedavg_and_cleans_up(tmp_path: Path) -> None:
             assert all(0.0 <= a <= 1.0 for a in result["final"].values())
         assert (tmp_path / "run" / "demo.png").stat().st_size > 10_000
         assert "FedPer" in output and "dev-1" in output
+        for name in ("dev-0", "dev-1"):  # each accuracy beside its chance line, from the device's own test labels
+            y = np.load(tmp_path / "run" / "data" / f"{name}.npz")["y_test"]
+            counts = np.bincount(y)
+            words = (f"{np.count_nonzero(counts)} classes: guessing the most frequent gives "
+                     f"{round(100 * counts.max() / len(y))} %")
+            assert f"  {name}: {words}" in output, output
         assert leftovers(tmp_path / "run") == []
 
 

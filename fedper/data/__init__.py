@@ -4,6 +4,7 @@ from fedper.data.errors import DataError, UnreadableImage
 from fedper.data.partition import (
     assign_test_by_classes,
     chance_accuracy,
+    chance_words,
     split_dirichlet,
     split_k_classes,
     split_shards,
@@ -19,6 +20,7 @@ from fedper.data.sources import (
     load_image_folder,
     load_images,
     load_npz,
+    read_image,
     skipping_unreadable_images,
     to_float_nchw,
 )
@@ -30,6 +32,7 @@ __all__ = [
     "UnreadableImage",
     "assign_test_by_classes",
     "chance_accuracy",
+    "chance_words",
     "dataset_name",
     "load_cifar",
     "load_digits",
@@ -37,6 +40,7 @@ __all__ = [
     "load_image_folder",
     "load_images",
     "load_npz",
+    "read_image",
     "skipping_unreadable_images",
     "split_dirichlet",
     "split_k_classes",

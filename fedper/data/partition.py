@@ -254,3 +254,14 @@ def chance_accuracy(test_labels: Sequence[np.ndarray | Sequence[int]], n_classes
     if not len(shares):
         raise DataError("no client has test samples")
     return float(shares.max(axis=1).mean() if personal else shares.mean(axis=0).max())
+
+
+def chance_words(test_labels: np.ndarray | Sequence[int]) -> str:
+    """A device's chance line in words, for whoever reads its accuracy: its classes, and the accuracy of always
+    answering its most frequent test class (chance_accuracy's personal rule; 1/k when the classes are balanced)."""
+    y = _as_labels(test_labels, "test labels")
+    if not len(y):
+        return "no test images: no chance line"
+    counts = np.bincount(y)
+    k = int((counts > 0).sum())
+    return f"{k} class{'es' if k != 1 else ''}: guessing the most frequent gives {100 * counts.max() / len(y):.0f} %"

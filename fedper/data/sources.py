@@ -200,7 +200,7 @@ def skipping_unreadable_images() -> Iterator[list[Path]]:
         _skipped_images.reset(token)
 
 
-def _read_image(path: Path, image_size: int | None) -> np.ndarray:
+def read_image(path: Path, image_size: int | None) -> np.ndarray:
     """One image as uint8 HxWx3; any decoding failure becomes an UnreadableImage naming the file."""
     try:
         with Image.open(path) as im:
@@ -254,10 +254,10 @@ def _read_tree(
 
 
 def _read_or_skip(path: Path, image_size: int | None) -> np.ndarray | None:
-    """_read_image, or None for an unreadable file while skipping_unreadable_images() is on (it is recorded)."""
+    """read_image, or None for an unreadable file while skipping_unreadable_images() is on (it is recorded)."""
     skipped = _skipped_images.get()
     try:
-        return _read_image(path, image_size)
+        return read_image(path, image_size)
     except UnreadableImage:
         if skipped is None:
             raise
@@ -405,7 +405,7 @@ def load_flickr_aes(
             path = root / FLICKR_IMAGES / name
             if not path.is_file():
                 raise DataError(f"FLICKR-AES image not found: {path} (rated by worker {w} in {csv_path})")
-            images.append(_read_image(path, image_size))
+            images.append(read_image(path, image_size))
         worker = ArrayDataset(np.stack(images), labels[start : start + len(images)], FLICKR_CLASSES)
         out.append(DataSplits(worker.subset(train_idx - start), worker.subset(test_idx - start)))
     return out
