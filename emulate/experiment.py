@@ -16,7 +16,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -25,7 +25,7 @@ import torch
 from fedper import checkpoint
 from fedper.algorithms import Algorithm
 from fedper.emulate import distributed
-from fedper.emulate.data import DataConfig, load_fleet_data
+from fedper.emulate.data import DataConfig, FleetData, load_fleet_data
 from fedper.emulate.fleet import Fleet, FleetConfig, FleetState, load_state, resolve_device, save_state
 from fedper.emulate.progress import Board, Event
 
@@ -96,11 +96,7 @@ def run_experiment(
     state = fleet.init() if saved is None else _to_device(saved, device)
     writer = distributed.rank() == 0
     if writer:
-        out.mkdir(parents=True, exist_ok=True)
-        checkpoint.atomic_write(out / CONFIG, config.to_json().encode())
-        checkpoint.write_json(out / DATA, describe_data(fleet), indent=2)
-        with (out / METRICS).open("w") as f:
-            f.writelines(json.dumps(m) + "\n" for m in history)
+        _begin(out, config, fleet, history)
     tell = report if writer else (lambda event: None)
     key = str(out)
     tell({"event": "start", "run": key, "label": label or f"{config.fleet.algorithm} K_P={config.fleet.kp}",
@@ -113,9 +109,7 @@ def run_experiment(
         state, metrics = fleet.run_round(state, on_step=_StepReporter(tell, key, fleet.round_steps(state)))
         local = distributed.gather_local(state.local, members)
         if writer:
-            with (out / METRICS).open("a") as f:
-                f.write(json.dumps(metrics) + "\n")
-            save_state(replace(state, local=local), out / STATE)
+            _record(out, replace(state, local=local), metrics)
         history.append(metrics)
         tell({"event": "round", "run": key, "round": state.round, "rounds": config.rounds,
               "accuracy": metrics["mean_accuracy"], "wall_s": metrics["wall_s"]})
@@ -126,6 +120,86 @@ def run_experiment(
     if writer:
         checkpoint.write_json(out / SUMMARY, summary, indent=2)
     return summary
+
+
+def _begin(out: Path, config: RunConfig, fleet: Fleet, history: list[dict]) -> None:
+    """A run directory's config.json, data.json and the metrics of its saved rounds."""
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint.atomic_write(out / CONFIG, config.to_json().encode())
+    checkpoint.write_json(out / DATA, describe_data(fleet), indent=2)
+    with (out / METRICS).open("w") as f:
+        f.writelines(json.dumps(m) + "\n" for m in history)
+
+
+def _record(out: Path, state: FleetState, metrics: dict) -> None:
+    """A finished round: its metrics line, then the state (so a line without its state is dropped on resume)."""
+    with (out / METRICS).open("a") as f:
+        f.write(json.dumps(metrics) + "\n")
+    save_state(state, out / STATE)
+
+
+Pending = tuple[RunConfig, Path, bool, str]  # a run's config, directory, whether to resume it, its label
+
+
+def run_stacked(runs: Sequence[Pending], *, report: Callable[[Event], None], budget: int | None = None) -> list[dict]:
+    """Run (or resume) every run of `runs` in this process, their rounds stacked (emulate/stacked.py: the runs
+    that share a step train as rows of one vmapped step, chunked to `budget` bytes or the device's memory);
+    each directory ends as run_experiment leaves it, and every run keeps its own rounds. Returns the summaries.
+    A run's wall_s per round is its share of the stacked training plus its own aggregation and evaluation."""
+    from fedper.emulate.stacked import stacked_round
+
+    if distributed.world_size() > 1:
+        raise RunError("stacked runs train in one process: drop --world-size (or torchrun)")
+    configs, fleets, states, histories, loaded = [], [], [], [], []
+    for config, out, resume, label in runs:
+        config, saved, history = _prepare(config, out, resume)
+        configs.append(config)
+        device = resolve_device(config.device)
+        data = _share_tensors(load_fleet_data(config.data, device), loaded)
+        fleet = Fleet(replace(config.fleet, engine="vmap"), data)
+        fleets.append(fleet)
+        states.append(fleet.init() if saved is None else _to_device(saved, device))
+        histories.append(history)
+        _begin(out, config, fleet, history)
+        report({"event": "start", "run": str(out), "label": label, "rounds": config.rounds, "done": states[-1].round})
+    stopped = [False] * len(runs)
+    while active := [i for i, (c, s) in enumerate(zip(configs, states, strict=True))
+                     if s.round < c.rounds and not stopped[i]]:
+        for i in active:
+            stopped[i] = fleets[i].budget_stops(states[i])
+        active = [i for i in active if not stopped[i]]
+        if not active:
+            break
+        tells = [_StepReporter(report, str(runs[i][1]), fleets[i].round_steps(states[i])) for i in active]
+        results = stacked_round([fleets[i] for i in active], [states[i] for i in active], budget=budget,
+                                on_steps=tells)
+        for i, (state, metrics) in zip(active, results, strict=True):
+            states[i] = state
+            out = runs[i][1]
+            _record(out, state, metrics)
+            histories[i].append(metrics)
+            report({"event": "round", "run": str(out), "round": state.round, "rounds": configs[i].rounds,
+                    "accuracy": metrics["mean_accuracy"], "wall_s": metrics["wall_s"]})
+    summaries = []
+    for i, (config, (_, out, _, _)) in enumerate(zip(configs, runs, strict=True)):
+        report({"event": "end", "run": str(out)})
+        summary = _summary(config, fleets[i], histories[i])
+        summary["stacked"] = len(runs)
+        if states[i].privacy is not None:
+            summary["dp"] = _privacy_summary(config, states[i], stopped[i])
+        checkpoint.write_json(out / SUMMARY, summary, indent=2)
+        summaries.append(summary)
+    return summaries
+
+
+def _share_tensors(data: FleetData, loaded: list[FleetData]) -> FleetData:
+    """`data` holding the image and label tensors of an earlier run when they are equal (runs that differ only in
+    their partition, k or seed at full scale), so stacked runs keep one copy on the device; `loaded` grows."""
+    for other in loaded:
+        if other.x.shape == data.x.shape and torch.equal(other.x, data.x) and torch.equal(other.y, data.y):
+            return replace(data, x=other.x, y=other.y)
+    loaded.append(data)
+    return data
 
 
 class _StepReporter:
