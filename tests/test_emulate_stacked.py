@@ -5,6 +5,7 @@ cut to fit memory."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import torch
 from test_emulate import synthetic
@@ -105,3 +106,27 @@ def test_a_stack_cut_to_fit_a_small_memory_budget_gives_the_same_results():
     for cut, whole in zip(stacked(torch.float64, budget=2 * per_row, only=2), stacked(torch.float64, only=2),
                           strict=True):
         assert max(distances(cut, whole).values()) <= 1e-12
+
+
+def test_sweep_runs_every_combination_stacked_and_reuses_finished_runs(tmp_path):
+    from typer.testing import CliRunner
+
+    from fedper.emulate.cli import app
+
+    args = ["sweep", "--seeds", "0,1", "--lr", "0.05,0.02", "--out", str(tmp_path), "--no-progress", "--clients", "3",
+            "--classes-per-client", "3", "--input-size", "8", "--scale", "0.1", "--width", "0.25", "--local-epochs",
+            "1", "--batch-size", "16", "--rounds", "10", "--device", "cpu"]
+    first = CliRunner().invoke(app, args)
+    assert first.exit_code == 0, first.output
+    runs = sorted(p.name for p in tmp_path.iterdir())
+    assert runs == [f"fedper-k3-lr{lr}-seed{s}" for lr in ("0.02", "0.05") for s in (0, 1)]
+    for name in runs:
+        config = json.loads((tmp_path / name / "config.json").read_text())
+        assert (config["fleet"]["lr"], config["fleet"]["seed"], config["data"]["seed"]) == (
+            float(name.split("-lr")[1].split("-")[0]), int(name[-1]), int(name[-1]))
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert summary["rounds"] == 1 and summary["stacked"] == 4
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 0 and "0 runs stacked" in again.output, again.output
+    bad = CliRunner().invoke(app, ["sweep", "--out", str(tmp_path / "x"), "--no-such-option"])
+    assert bad.exit_code == 2 and "--no-such-option" in bad.output
