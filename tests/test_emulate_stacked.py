@@ -130,3 +130,16 @@ def test_sweep_runs_every_combination_stacked_and_reuses_finished_runs(tmp_path)
     assert again.exit_code == 0 and "0 runs stacked" in again.output, again.output
     bad = CliRunner().invoke(app, ["sweep", "--out", str(tmp_path / "x"), "--no-such-option"])
     assert bad.exit_code == 2 and "--no-such-option" in bad.output
+
+
+def test_figure_stack_trains_the_figures_runs_stacked_and_draws_them(tmp_path):
+    from fedper.emulate.figures import make_figure
+
+    png = make_figure("fig3", out=tmp_path, dataset="digits", device="cpu", rounds=10, scale=0.1, stack=True,
+                      show_progress=False,
+                      fleet_overrides={"width": 0.25, "local_epochs": 1, "batch_size": 16},
+                      data_overrides={"clients": 3, "classes_per_client": 3, "input_size": 8})
+    assert png.is_file()
+    summaries = [json.loads(p.read_text()) for p in sorted((tmp_path / "fig3").glob("*/summary.json"))]
+    assert [s["algorithm"] for s in summaries] == ["fedavg", "fedper"]
+    assert all(s["stacked"] == 2 and s["engine"] == "vmap" and s["rounds"] == 1 for s in summaries)
