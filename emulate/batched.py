@@ -11,7 +11,7 @@ are stacked buffers too, updated in place per client inside vmap.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,15 +35,20 @@ def train_clients_batched(
     *,
     local_epochs: int,
     batch_size: int,
-    lr: float,
+    lr: float | Sequence[float],
     momentum: float,
     generators: Sequence[BatchKey],
     on_step: OnStep | None = None,
+    on_rows: Callable[[list[int]], None] | None = None,
 ) -> None:
     """Train every client's slice of `stacked` ({name: [clients, ...]}, all manifest tensors) in place;
-    `generators` are the clients' batch keys (train.client_generator). `on_step` hears of each vmapped
-    step with the number of client-batches it took, as train_client counts them."""
+    `generators` are the clients' batch keys (train.client_generator); `lr` one for all, or one per row
+    (rows of stacked runs, emulate/stacked.py). `on_step` hears of each vmapped step with the number of
+    client-batches it took, as train_client counts them; `on_rows` with the rows it took."""
     n_clients = len(train_idx)
+    if not isinstance(lr, float | int):
+        rates = torch.tensor(list(lr), dtype=next(iter(stacked.values())).dtype, device=x.device)
+        lr = float(rates[0]) if bool((rates == rates[0]).all()) else rates
     # BatchNorm's num_batches_tracked counters (not manifest tensors) are mutated in the forward, so
     # vmap needs them batched too; they are dropped at the end.
     counters = {n: torch.stack([b] * n_clients) for n, b in model.state_dict().items() if n not in stacked}
@@ -68,6 +73,8 @@ def train_clients_batched(
                               x[sample], y[sample], lr, momentum)
                         if on_step is not None:
                             on_step(len(members))
+                        if on_rows is not None:
+                            on_rows(members)
     model.requires_grad_(True)
 
 
@@ -85,6 +92,7 @@ def _step(batched_grad, model, stacked, velocity, names, members, n_clients, xb,
     rest = {n: t for n, t in part.items() if n not in trained}
     with torch.enable_grad():
         grads = batched_grad(model, trained, rest, xb, yb)
+    rates = None if isinstance(lr, float | int) else (lr if whole else lr.index_select(0, rows))
     for n in names:
         g = grads[n]
         if momentum:
@@ -93,7 +101,10 @@ def _step(batched_grad, model, stacked, velocity, names, members, n_clients, xb,
             if not whole:
                 velocity[n].index_copy_(0, rows, v)
             g = v
-        part[n].sub_(g, alpha=lr)
+        if rates is None:
+            part[n].sub_(g, alpha=lr)
+        else:  # one lr per row, broadcast over the tensor's own axes
+            part[n].sub_(g * rates.view(-1, *[1] * (g.dim() - 1)))
     if not whole:  # write the group's parameters and updated running statistics back
         for n, t in part.items():
             stacked[n].index_copy_(0, rows, t)

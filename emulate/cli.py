@@ -6,6 +6,7 @@ import os
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import typer
@@ -50,6 +51,41 @@ def resume_notes(saved: RunConfig, asked: RunConfig, given: set[str]) -> list[st
             notes.append(f"--{option.replace('_', '-')} {new[path]} does not apply: the resumed run keeps its saved "
                          f"{field} {old[path]} (config.json); only --rounds changes on --resume")
     return notes
+
+
+def run_config(options: dict[str, Any]) -> RunConfig:
+    """The RunConfig of `run`'s options (their values by parameter name): run's and sweep's."""
+    from fedper.algorithms import get_algorithm
+    from fedper.emulate.data import PAPER_BATCH, PAPER_CLIENTS, DataConfig
+    from fedper.emulate.experiment import RunConfig
+    from fedper.emulate.fleet import FleetConfig
+
+    o = SimpleNamespace(**options)
+    kp = o.kp
+    if kp is None:
+        kp = get_algorithm(o.algorithm).default_kp
+    return RunConfig(
+        data=DataConfig(
+            dataset=o.dataset, data=str(o.data) if o.data else None,
+            clients=o.clients if o.clients is not None else PAPER_CLIENTS.get(o.dataset, 10),
+            classes_per_client=o.classes_per_client, partition=o.partition, shards=o.shards, alpha=o.alpha,
+            input_size=o.input_size, scale=o.scale, seed=o.seed,
+        ),
+        fleet=FleetConfig(
+            model=o.model, width=o.width, algorithm=o.algorithm, kp=kp, local_epochs=o.local_epochs,
+            batch_size=o.batch_size or PAPER_BATCH.get(o.dataset, 128), lr=o.lr, momentum=o.momentum, seed=o.seed,
+            eval_finetune_epochs=o.eval_finetune_epochs, eval_finetune=o.eval_finetune, engine=o.engine,
+            channels_last=o.channels_last,
+            eval_finetune_every_algorithm=o.eval_finetune_every_algorithm,
+            eval_finetune_interval=o.eval_finetune_interval, lr_decay=o.lr_decay,
+            lr_milestones=tuple(int(m) for m in o.lr_milestones.replace(",", " ").split()),
+            clients_per_round=o.clients_per_round, bn=o.bn, clip_norm=o.clip_norm,
+            dp_noise_multiplier=o.dp_noise_multiplier, dp_delta=o.dp_delta, dp_target_epsilon=o.dp_target_epsilon,
+            dp_budget_action=o.dp_budget_action, dp_adaptive_quantile=o.dp_adaptive_clipping,
+        ),
+        rounds=max(1, round(o.rounds * o.scale)),  # --scale shrinks the rounds too, never to none
+        device=o.device, init=str(o.init) if getattr(o, "init", None) else None,
+    )
 
 
 @app.command()
@@ -133,9 +169,7 @@ def run(
 
     Writes DIR/config.json, data.json, metrics.jsonl, summary.json and state.safetensors (DIR is --out).
     Under torchrun (WORLD_SIZE > 1) each process trains its share of the clients and rank 0 writes."""
-    from fedper.algorithms import get_algorithm
     from fedper.data import DataError
-    from fedper.emulate.data import PAPER_BATCH, PAPER_CLIENTS, DataConfig
     from fedper.emulate.experiment import (
         CONFIG,
         RunConfig,
@@ -145,7 +179,6 @@ def run(
         run_launched,
         run_spawned,
     )
-    from fedper.emulate.fleet import FleetConfig
 
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     rank = int(os.environ.get("RANK", "0")) if launched else 0
@@ -158,30 +191,7 @@ def run(
             raise ValueError("--clients-per-round runs in one process: drop --world-size (or torchrun) or it")
         if dp_noise_multiplier is not None and (launched or world_size > 1):
             raise ValueError("--dp-noise-multiplier runs in one process: drop --world-size (or torchrun) or it")
-        if kp is None:
-            kp = get_algorithm(algorithm).default_kp
-        config = RunConfig(
-            data=DataConfig(
-                dataset=dataset, data=str(data) if data else None,
-                clients=clients if clients is not None else PAPER_CLIENTS.get(dataset, 10),
-                classes_per_client=classes_per_client, partition=partition, shards=shards, alpha=alpha,
-                input_size=input_size, scale=scale, seed=seed,
-            ),
-            fleet=FleetConfig(
-                model=model, width=width, algorithm=algorithm, kp=kp, local_epochs=local_epochs,
-                batch_size=batch_size or PAPER_BATCH.get(dataset, 128), lr=lr, momentum=momentum, seed=seed,
-                eval_finetune_epochs=eval_finetune_epochs, eval_finetune=eval_finetune, engine=engine,
-                channels_last=channels_last,
-                eval_finetune_every_algorithm=eval_finetune_every_algorithm,
-                eval_finetune_interval=eval_finetune_interval, lr_decay=lr_decay,
-                lr_milestones=tuple(int(m) for m in lr_milestones.replace(",", " ").split()),
-                clients_per_round=clients_per_round, bn=bn, clip_norm=clip_norm,
-                dp_noise_multiplier=dp_noise_multiplier, dp_delta=dp_delta, dp_target_epsilon=dp_target_epsilon,
-                dp_budget_action=dp_budget_action, dp_adaptive_quantile=dp_adaptive_clipping,
-            ),
-            rounds=max(1, round(rounds * scale)),  # --scale shrinks the rounds too, never to none
-            device=device, init=str(init) if init else None,
-        )
+        config = run_config(ctx.params)
         if resume and holds_run(out) and (out / CONFIG).is_file():
             saved = RunConfig.from_json((out / CONFIG).read_text())
             given = given_options(ctx)
@@ -225,6 +235,58 @@ def run(
     )
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def sweep(
+    ctx: typer.Context,
+    seeds: str = typer.Option("0", help="Comma-separated seeds (each run's --seed)"),
+    k: str = typer.Option("", help="Comma-separated k (--classes-per-client); default: run's"),
+    lr: str = typer.Option("", help="Comma-separated learning rates (--lr); default: run's"),
+    algorithms: str = typer.Option("", help="Comma-separated algorithms (--algorithm); default: run's"),
+    out: Path = typer.Option(Path("runs/sweep"), help="Folder of the runs: OUT/ALGORITHM-kK-lrLR-seedS"),
+    memory_gib: float | None = typer.Option(None, min=0.0, help="Memory a stacked step may take, in GiB (default: "
+                                            "70 % of the GPU's free memory, or of the host's); more is cut in chunks"),
+    progress: bool = typer.Option(True, help="Show each run's progress: bars in a terminal, else a line a round"),
+) -> None:
+    """Run every combination of --seeds, --k, --lr and --algorithms, stacked in one process.
+
+    Any other option is run's, for every run: fedper-emulate sweep --seeds 0,1,2 --k 4,8 --rounds 20 --width 0.25.
+    Runs that share an architecture train as rows of one batched step (fedper/emulate/stacked.py), each with its
+    own partition, seed, lr, algorithm and aggregation; each run's directory is as `run` writes it. A finished
+    run is reused and an interrupted one resumed."""
+    import itertools
+
+    from fedper.data import DataError
+    from fedper.emulate.experiment import RunError, run_stacked
+    from fedper.emulate.figures import finished_run, resumable_run
+    from fedper.emulate.progress import Board
+
+    command = typer.main.get_command(app).commands["run"]  # type: ignore[attr-defined]
+    axes = {"--seed": seeds, "--classes-per-client": k, "--lr": lr, "--algorithm": algorithms}
+    values = {option: [v.strip() for v in given.split(",") if v.strip()] or [None] for option, given in axes.items()}
+    try:
+        pending = []
+        for combination in itertools.product(*values.values()):
+            chosen = {o: v for o, v in zip(values, combination, strict=True) if v is not None}
+            args = [*ctx.args, *(a for o, v in chosen.items() for a in (o, v))]
+            config = run_config(command.make_context("run", args).params)
+            f = config.fleet
+            run_dir = out / f"{f.algorithm}-k{config.data.classes_per_client}-lr{f.lr:g}-seed{f.seed}"
+            if not finished_run(run_dir, config):
+                pending.append((config, run_dir, resumable_run(run_dir, config), run_dir.name))
+        budget = None if memory_gib is None else int(memory_gib * 2**30)
+        with Board(progress) as board:
+            summaries = run_stacked(pending, report=board.report, budget=budget)
+    except KeyboardInterrupt:
+        _fail(f"interrupted; finished rounds are kept under {out}, run the same command to continue", 130)
+    except typer.TyperException as e:  # run's parser refused one of the options
+        _fail(e.format_message() if hasattr(e, "format_message") else str(e))
+    except (ValueError, DataError, RunError, OSError) as e:
+        _fail(str(e))
+    for (_, run_dir, _, _), summary in zip(pending, summaries, strict=True):
+        typer.echo(f"{run_dir}: mean accuracy {summary['final_mean_accuracy']:.4f} after {summary['rounds']} rounds")
+    typer.echo(f"{len(pending)} runs stacked ({len(values['--seed'])} seeds); results in {out}")
+
+
 @app.command()
 def figure(
     name: str = typer.Argument(
@@ -265,6 +327,8 @@ def figure(
     progress: bool = typer.Option(True, help="Show each run's progress: bars in a terminal, else a line a round"),
     jobs: int = typer.Option(1, min=1, help="Runs at a time, each in its own single-threaded process (CPU: up to "
                                             "one per core)"),
+    stack: bool | None = typer.Option(None, "--stack/--no-stack", help="Train the figure's runs stacked, as rows "
+                                      "of one batched step in one process (default: on a GPU; --jobs then unused)"),
     trace: Path | None = typer.Option(None, help="async: device trace, FedScale's format as JSON (default: the "
                                                  "shipped synthetic one)"),
     concurrency: int | None = typer.Option(None, min=1, help="async: devices training at once (default: every "
@@ -302,7 +366,7 @@ def figure(
             fleet_overrides={k: chosen[k] for k in fleet if chosen[k] is not None} | {"seed": seed},
             data_overrides={k: chosen[k] for k in data_opts if chosen[k] is not None} | {"seed": seed},
             models=tuple(chosen["model"] or ()), show_progress=progress, jobs=jobs,
-            clock_overrides={k: v for k, v in clock.items() if v is not None},
+            clock_overrides={k: v for k, v in clock.items() if v is not None}, stack=stack,
         )
     except KeyboardInterrupt:
         _fail(f"interrupted; finished rounds are kept under {out}, run the same command to continue", 130)

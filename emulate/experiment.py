@@ -17,7 +17,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -26,7 +26,7 @@ import torch
 from fedper import checkpoint
 from fedper.algorithms import Algorithm
 from fedper.emulate import distributed
-from fedper.emulate.data import DataConfig, load_fleet_data
+from fedper.emulate.data import DataConfig, FleetData, load_fleet_data
 from fedper.emulate.fleet import Fleet, FleetConfig, FleetState, load_state, resolve_device, save_state
 from fedper.emulate.progress import Board, Event
 from fedper.models.warm_start import RUN_WEIGHTS, save_weights, warm_start
@@ -88,8 +88,7 @@ def run_experiment(
             return run_experiment(config, out, resume=resume, algorithm=algorithm, report=board.report, label=label)
     out = Path(out)
     config, saved, history = distributed.from_rank0(lambda: _prepare(config, out, resume))
-    if config.init and saved is None:  # every client starts from the checkpoint, as agents from one export do
-        config = replace(config, fleet=replace(config.fleet, local_init="broadcast"))
+    config = _broadcast_init(config, saved)
     device = distributed.local_device(resolve_device(config.device))
     data = load_fleet_data(config.data, device)
     if distributed.world_size() > len(data.clients):
@@ -103,11 +102,7 @@ def run_experiment(
     state = fleet.init() if saved is None else _to_device(saved, device)
     writer = distributed.rank() == 0
     if writer:
-        out.mkdir(parents=True, exist_ok=True)
-        checkpoint.atomic_write(out / CONFIG, config.to_json().encode())
-        checkpoint.write_json(out / DATA, describe_data(fleet), indent=2)
-        with (out / METRICS).open("w") as f:
-            f.writelines(json.dumps(m) + "\n" for m in history)
+        _begin(out, config, fleet, history)
     tell = report if writer else (lambda event: None)
     key = str(out)
     tell({"event": "start", "run": key, "label": label or f"{config.fleet.algorithm} K_P={config.fleet.kp}",
@@ -120,16 +115,13 @@ def run_experiment(
         state, metrics = fleet.run_round(state, on_step=_StepReporter(tell, key, fleet.round_steps(state)))
         local = distributed.gather_local(state.local, members)
         if writer:
-            with (out / METRICS).open("a") as f:
-                f.write(json.dumps(metrics) + "\n")
-            save_state(replace(state, local=local), out / STATE)
+            _record(out, replace(state, local=local), metrics)
         history.append(metrics)
         tell({"event": "round", "run": key, "round": state.round, "rounds": config.rounds,
               "accuracy": metrics["mean_accuracy"], "wall_s": metrics["wall_s"]})
     tell({"event": "end", "run": key})
-    if writer:  # what `--init DIR` starts another run or an export from
-        save_weights(out / RUN_WEIGHTS, state.shared, architecture=config.fleet.model, width=config.fleet.width,
-                     input_size=data.input_size, classes=data.classes, device_local=fleet.local_names)
+    if writer:
+        _save_weights(out, config, fleet, state)
     summary = _summary(config, fleet, history)
     if weights is not None:
         summary["weights"] = weights
@@ -138,6 +130,19 @@ def run_experiment(
     if writer:
         checkpoint.write_json(out / SUMMARY, summary, indent=2)
     return summary
+
+
+def _broadcast_init(config: RunConfig, saved: FleetState | None) -> RunConfig:
+    """With --init, every client starts from the checkpoint (its local tensors too), as agents from one export do."""
+    if config.init and saved is None:
+        return replace(config, fleet=replace(config.fleet, local_init="broadcast"))
+    return config
+
+
+def _save_weights(out: Path, config: RunConfig, fleet: Fleet, state: FleetState) -> None:
+    """What `--init DIR` starts another run or an export from."""
+    save_weights(out / RUN_WEIGHTS, state.shared, architecture=config.fleet.model, width=config.fleet.width,
+                 input_size=fleet.data.input_size, classes=fleet.data.classes, device_local=fleet.local_names)
 
 
 def _warm_start(fleet: Fleet, init: str, device: torch.device) -> dict:
@@ -149,6 +154,91 @@ def _warm_start(fleet: Fleet, init: str, device: torch.device) -> dict:
     fleet.initial = {n: t.to(device) for n, t in start.state.items()}
     load_tensors(fleet.model, fleet.initial)
     return {**start.record, "notes": list(start.notes)}
+
+
+def _begin(out: Path, config: RunConfig, fleet: Fleet, history: list[dict]) -> None:
+    """A run directory's config.json, data.json and the metrics of its saved rounds."""
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint.atomic_write(out / CONFIG, config.to_json().encode())
+    checkpoint.write_json(out / DATA, describe_data(fleet), indent=2)
+    with (out / METRICS).open("w") as f:
+        f.writelines(json.dumps(m) + "\n" for m in history)
+
+
+def _record(out: Path, state: FleetState, metrics: dict) -> None:
+    """A finished round: its metrics line, then the state (so a line without its state is dropped on resume)."""
+    with (out / METRICS).open("a") as f:
+        f.write(json.dumps(metrics) + "\n")
+    save_state(state, out / STATE)
+
+
+Pending = tuple[RunConfig, Path, bool, str]  # a run's config, directory, whether to resume it, its label
+
+
+def run_stacked(runs: Sequence[Pending], *, report: Callable[[Event], None], budget: int | None = None) -> list[dict]:
+    """Run (or resume) every run of `runs` in this process, their rounds stacked (emulate/stacked.py: the runs
+    that share a step train as rows of one vmapped step, chunked to `budget` bytes or the device's memory);
+    each directory ends as run_experiment leaves it, and every run keeps its own rounds. Returns the summaries.
+    A run's wall_s per round is its share of the stacked training plus its own aggregation and evaluation."""
+    from fedper.emulate.stacked import stacked_round
+
+    if distributed.world_size() > 1:
+        raise RunError("stacked runs train in one process: drop --world-size (or torchrun)")
+    configs, fleets, states, histories, loaded, weights = [], [], [], [], [], []
+    for config, out, resume, label in runs:
+        config, saved, history = _prepare(config, out, resume)
+        config = _broadcast_init(config, saved)
+        configs.append(config)
+        device = resolve_device(config.device)
+        data = _share_tensors(load_fleet_data(config.data, device), loaded)
+        fleet = Fleet(replace(config.fleet, engine="vmap"), data)
+        fleets.append(fleet)
+        weights.append(_warm_start(fleet, config.init, device) if saved is None and config.init else None)
+        states.append(fleet.init() if saved is None else _to_device(saved, device))
+        histories.append(history)
+        _begin(out, config, fleet, history)
+        report({"event": "start", "run": str(out), "label": label, "rounds": config.rounds, "done": states[-1].round})
+    stopped = [False] * len(runs)
+    while active := [i for i, (c, s) in enumerate(zip(configs, states, strict=True))
+                     if s.round < c.rounds and not stopped[i]]:
+        for i in active:
+            stopped[i] = fleets[i].budget_stops(states[i])
+        active = [i for i in active if not stopped[i]]
+        if not active:
+            break
+        tells = [_StepReporter(report, str(runs[i][1]), fleets[i].round_steps(states[i])) for i in active]
+        results = stacked_round([fleets[i] for i in active], [states[i] for i in active], budget=budget,
+                                on_steps=tells)
+        for i, (state, metrics) in zip(active, results, strict=True):
+            states[i] = state
+            out = runs[i][1]
+            _record(out, state, metrics)
+            histories[i].append(metrics)
+            report({"event": "round", "run": str(out), "round": state.round, "rounds": configs[i].rounds,
+                    "accuracy": metrics["mean_accuracy"], "wall_s": metrics["wall_s"]})
+    summaries = []
+    for i, (config, (_, out, _, _)) in enumerate(zip(configs, runs, strict=True)):
+        report({"event": "end", "run": str(out)})
+        _save_weights(out, config, fleets[i], states[i])
+        summary = _summary(config, fleets[i], histories[i])
+        summary["stacked"] = len(runs)
+        if weights[i] is not None:
+            summary["weights"] = weights[i]
+        if states[i].privacy is not None:
+            summary["dp"] = _privacy_summary(config, states[i], stopped[i])
+        checkpoint.write_json(out / SUMMARY, summary, indent=2)
+        summaries.append(summary)
+    return summaries
+
+
+def _share_tensors(data: FleetData, loaded: list[FleetData]) -> FleetData:
+    """`data` holding the image and label tensors of an earlier run when they are equal (runs that differ only in
+    their partition, k or seed at full scale), so stacked runs keep one copy on the device; `loaded` grows."""
+    for other in loaded:
+        if other.x.shape == data.x.shape and torch.equal(other.x, data.x) and torch.equal(other.y, data.y):
+            return replace(data, x=other.x, y=other.y)
+    loaded.append(data)
+    return data
 
 
 class _StepReporter:

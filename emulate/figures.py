@@ -25,8 +25,8 @@ from fedper.algorithms import get_algorithm
 from fedper.data import DataError
 from fedper.data.sources import DATASET_NAMES
 from fedper.emulate.data import PAPER_BATCH, PAPER_CLIENTS, DataConfig, client_split, read_source
-from fedper.emulate.experiment import CONFIG, DATA, METRICS, STATE, SUMMARY, RunConfig, run_experiment
-from fedper.emulate.fleet import FleetConfig
+from fedper.emulate.experiment import CONFIG, DATA, METRICS, STATE, SUMMARY, RunConfig, run_experiment, run_stacked
+from fedper.emulate.fleet import FleetConfig, resolve_device
 from fedper.emulate.progress import Board, Event
 from fedper.emulate.variants import LINEAR_PREFIX
 from fedper.manifest import BN_POLICIES
@@ -196,11 +196,16 @@ def make_figure(
     show_progress: bool = True,
     jobs: int = 1,
     clock_overrides: dict | None = None,
+    stack: bool | None = None,
 ) -> Path:
     """Run (or reuse) every curve of figure `name` (only those of `models` when given) and write OUT/NAME.png
     (babu: OUT/babu-sS.png, S the shards per client); `rounds` None: the figure's (default_rounds).
     `jobs` > 1 runs that many curves at a time, each in its own single-threaded process. `clock_overrides`:
-    figure async's ClockConfig fields (emulate/async_fleet.py)."""
+    figure async's ClockConfig fields (emulate/async_fleet.py). `stack`: train the runs stacked in one process
+    (emulate/stacked.py); None: on a GPU (where the vmap engine runs), not on a CPU (where the sequential engine
+    is faster, and `jobs` processes faster still)."""
+    if name == CLOCKED_FIGURE and stack:
+        raise ValueError("--stack: figure async runs on a simulated clock, one run at a time")
     if name == CLOCKED_FIGURE:
         from fedper.emulate.async_figure import make_async_figure
 
@@ -256,15 +261,17 @@ def make_figure(
             run_dir = run_dir.with_name(f"{run_dir.name}-bn{f.bn}")
         if spec.seeds > 1:
             run_dir = run_dir.with_name(f"{run_dir.name}-seed{f.seed}")
-        if not _finished(run_dir, config):
-            pending.append((config, run_dir, _resumable(run_dir, config), _curve_label(curve, spec.seeds)))
+        if not finished_run(run_dir, config):
+            pending.append((config, run_dir, resumable_run(run_dir, config), _curve_label(curve, spec.seeds)))
         run_dirs.append(run_dir)
     _check_data(name, pending)  # every curve's split, before any of them trains
     for _, run_dir, resume, _ in pending:
         if not resume and run_dir.exists():
             print(f"{run_dir}: its settings differ from this command's, so it starts over", file=sys.stderr)
             shutil.rmtree(run_dir)
-    _run_all(pending, jobs, show_progress)
+    if stack is None:
+        stack = resolve_device(device).type == "cuda"
+    _run_all(pending, jobs, show_progress, stack)
     runs = _over_seeds([(curve, _history(run_dir), run_data_info(run_dir))
                         for (_, curve), run_dir in zip(curves, run_dirs, strict=True)], spec.seeds)
     png = out.parent / (f"{name}-s{base_data.shards}.png" if base_data.partition == "shards" else f"{name}.png")
@@ -299,13 +306,17 @@ def _single_threaded() -> None:
     torch.set_num_threads(1)
 
 
-def _run_all(pending: list[tuple[RunConfig, Path, bool, str]], jobs: int, show_progress: bool) -> None:
-    """The runs one after another, or `jobs` at a time in single-threaded processes: on a CPU shared with
-    other work, one process per core is faster than one process whose threads wait for each other. Every
-    run's progress goes to one board, from the other processes through a queue."""
+def _run_all(pending: list[tuple[RunConfig, Path, bool, str]], jobs: int, show_progress: bool,
+             stack: bool = False) -> None:
+    """The runs stacked in this process (`stack`), or one after another, or `jobs` at a time in single-threaded
+    processes: on a CPU shared with other work, one process per core is faster than one process whose threads
+    wait for each other. Every run's progress goes to one board, from the other processes through a queue."""
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
     with Board(show_progress) as board:
+        if stack and pending:
+            run_stacked(pending, report=board.report)
+            return
         if jobs == 1 or len(pending) <= 1:
             for config, run_dir, resume, label in pending:
                 run_experiment(config, run_dir, resume=resume, report=board.report, label=label)
@@ -378,7 +389,7 @@ def _over_seeds(runs: list[Run], seeds: int) -> list[Run]:
     return merged
 
 
-def _resumable(run_dir: Path, config: RunConfig) -> bool:
+def resumable_run(run_dir: Path, config: RunConfig) -> bool:
     """A saved run continues only if it is the same run; more or fewer rounds extend or reuse it."""
     if not (run_dir / STATE).exists() or not (run_dir / CONFIG).exists():
         return False
@@ -386,7 +397,7 @@ def _resumable(run_dir: Path, config: RunConfig) -> bool:
     return replace(saved, rounds=config.rounds) == config
 
 
-def _finished(run_dir: Path, config: RunConfig) -> bool:
+def finished_run(run_dir: Path, config: RunConfig) -> bool:
     if not (run_dir / SUMMARY).exists():
         return False
     saved = RunConfig.from_json((run_dir / CONFIG).read_text())

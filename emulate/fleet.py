@@ -39,7 +39,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -281,15 +281,27 @@ class Fleet:
             steps += sum(c.eval_finetune_epochs * epoch_steps(n_train[j], c.batch_size) for j in self.members)
         return steps
 
+    def trainees(self, state: FleetState) -> list[int]:
+        """The members of this process that train in the round after `state`, in client order."""
+        chosen = set(self.selected(state.round + 1, state.seed))
+        return [j for j in self.members if j in chosen]
+
     def run_round(self, state: FleetState, on_step: OnStep | None = None) -> tuple[FleetState, dict]:
         """One round; `on_step` hears of every training step, in the units of round_steps."""
         start = time.perf_counter()
+        trainees = self.trainees(state)
+        return self.finish_round(state, zip(trainees, self._train(state, trainees, on_step), strict=True),
+                                 start, on_step)
+
+    def finish_round(self, state: FleetState, trained: Iterable[tuple[int, tuple[Tensors, Tensors]]], start: float,
+                     on_step: OnStep | None = None) -> tuple[FleetState, dict]:
+        """The rest of the round after `state` from its trainees' (client, (shared, local)) tensors, however they
+        were trained (this fleet, or emulate/stacked.py with other runs): the aggregate and every member's
+        evaluation; `start`: when the round began, for wall_s."""
         aggregate = self._dp_rule(state) if state.privacy is not None else WeightedMean()
         local = list(state.local)
         selected = self.selected(state.round + 1, state.seed)
-        chosen = set(selected)
-        trainees = [j for j in self.members if j in chosen]
-        for j, (shared, own) in zip(trainees, self._train(state, trainees, on_step), strict=True):
+        for j, (shared, own) in trained:
             aggregate.add(self._update(shared, state), self.data.n_train[j])
             local[j] = own
         privacy, figures = state.privacy, None
@@ -375,7 +387,7 @@ class Fleet:
                         else ": going on (--dp-budget-action warn)")
         return action == "stop"
 
-    def _train_kwargs(self, round_: int) -> dict:
+    def train_settings(self, round_: int) -> dict:
         """Local training's settings in round `round_` (1-based): the lr is the schedule's (FleetConfig.lr_at)."""
         c = self.config
         return {"local_epochs": c.local_epochs, "batch_size": c.batch_size, "lr": c.lr_at(round_),
@@ -390,7 +402,7 @@ class Fleet:
                 load_tensors(self.model, state.shared, state.local[j])
                 train_client(self.model, self.manifest, phases, d.x, d.y, d.clients[j][0],
                              generator=client_generator(seed, state.round, j, PURPOSE_TRAIN),
-                             channels_last=self.channels_last, on_step=on_step, **self._train_kwargs(state.round + 1))
+                             channels_last=self.channels_last, on_step=on_step, **self.train_settings(state.round + 1))
                 trained = exported_state(self.model)
                 yield ({n: trained[n].detach().clone() for n in self.shared_names},
                        {n: trained[n].detach().clone() for n in self.local_names})
@@ -399,7 +411,7 @@ class Fleet:
         stacked |= {n: torch.stack([state.local[j][n] for j in members]) for n in self.local_names}
         generators = [client_generator(seed, state.round, j, PURPOSE_TRAIN) for j in members]
         train_clients_batched(self.model, self.manifest, phases, d.x, d.y, [d.clients[j][0] for j in members],
-                              stacked, generators=generators, on_step=on_step, **self._train_kwargs(state.round + 1))
+                              stacked, generators=generators, on_step=on_step, **self.train_settings(state.round + 1))
         for row in range(len(members)):
             yield ({n: stacked[n][row] for n in self.shared_names},
                    {n: stacked[n][row].clone() for n in self.local_names})
@@ -425,7 +437,7 @@ class Fleet:
         phase = Phase(self.config.eval_finetune, self.config.eval_finetune_epochs)
         train_client(self.model, self.manifest, (phase,), self.data.x, self.data.y, train_idx,
                      generator=client_generator(state.seed, state.round, j, PURPOSE_FINETUNE),
-                     channels_last=self.channels_last, on_step=on_step, **self._train_kwargs(state.round + 1))
+                     channels_last=self.channels_last, on_step=on_step, **self.train_settings(state.round + 1))
         return initial, evaluate(self.model, self.data.x, self.data.y, test_idx, batch_statistics=batch_statistics)
 
 
