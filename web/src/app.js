@@ -135,6 +135,7 @@ async function main() {
     await agent.restore();
     log(`${device}: ${data.yTrain.length} training / ${data.yTest.length} test images, connecting to ${s.broker}`);
     wakeLock = await navigator.wakeLock?.request('screen').catch(() => null); // a sleeping phone stops training
+    log(`keep this page in front while the fleet runs: a phone pauses a page behind others${wakeLock ? '; the screen stays on meanwhile' : ' (this browser cannot keep the screen on here: it may sleep)'}`);
     const credentials = password ? { username: device, password } : {};
     run = runAgent(agent, mqtt, s.broker, { ...credentials, log, onChange: () => status(describe()) });
     showCounts();
