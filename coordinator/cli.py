@@ -190,15 +190,14 @@ def _metrics(coordinator: Coordinator, host: str, port: int) -> CoordinatorMetri
 
 def _page(web: Web, service: Service, ws_port: int | None) -> WebServer:
     """The web agent's page, serving from now on, its URL and a QR code printed (coordinator/web.py)."""
-    from fedper.coordinator.web import print_qr, serve_page
+    from fedper.coordinator.web import announce, serve_page
 
     try:
         page = serve_page(web, service.artifacts, service.fleet, ws_port)
     except (ValueError, OSError) as e:
         typer.echo(f"fedper-coordinator: {e}", err=True)
         raise typer.Exit(2) from None
-    typer.echo(f"web agent of fleet {service.fleet}: open {page.url()} (a phone on this network: scan the code)")
-    print_qr(page.url(), typer.echo)
+    announce(page, service.fleet, typer.echo)
     return page
 
 

@@ -5,6 +5,11 @@ A phone joins a fleet by opening one URL: this serves the page's folder at `/`, 
 cross-origin isolation headers that let onnxruntime-web use wasm threads (COOP + COEP, CORP for each
 resource). GET and HEAD only; paths are checked segment by segment, so nothing outside the two folders
 is reachable and no directory is listed (docs/operations.md, "Phones: the web agent").
+
+It listens on every interface by default, so it bounds what a stranger can hold: at most MAX_CONNECTIONS
+connections (one thread each; a new one sheds the oldest that has not finished sending its request), a
+request's line and headers within HEADER_TIMEOUT_S of its connection, and every read or write within
+IO_TIMEOUT_S. With --web-cert/--web-key it speaks https (a phone gets a secure context: crypto, threads).
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ import logging
 import re
 import shutil
 import socket
+import ssl
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -43,6 +50,9 @@ MIME_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; char
 # Cross-origin isolation (crossOriginIsolated, hence SharedArrayBuffer and wasm threads), on every response.
 ISOLATION_HEADERS = {"Cross-Origin-Opener-Policy": "same-origin", "Cross-Origin-Embedder-Policy": "require-corp",
                      "Cross-Origin-Resource-Policy": "same-origin", "X-Content-Type-Options": "nosniff"}
+MAX_CONNECTIONS = 64
+HEADER_TIMEOUT_S = 10.0
+IO_TIMEOUT_S = 30.0
 _HOST_HEADER = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]{1,253})(:\d{1,5})?$")
 
 
@@ -63,6 +73,9 @@ class Web(Group):
                              "one).", flag="--web-ws-port", min=0, max=65535)
     root: Path | None = option(None, "The page's folder (default: the web agent's, fedper.web_root()).",
                                flag="--web-root")
+    cert: Path | None = option(None, "Serve the page over https with this PEM certificate (chain) file, which "
+                                     "phones must trust (deploy/README.md); needs --web-key.", flag="--web-cert")
+    key: Path | None = option(None, "The PEM private key of --web-cert.", flag="--web-key")
 
 
 def default_root() -> Path | None:
@@ -91,18 +104,92 @@ def check_broker_url(url: str) -> str:
     return url
 
 
+def tls_context(cert: Path, key: Path) -> ssl.SSLContext:
+    """The server side of https with the operator's certificate; ValueError with one line when it does not load."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"--web-cert {cert} / --web-key {key}: cannot load them: {e}") from None
+    return context
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer with a bound on connections (threads) and on the time a request may take to arrive."""
+
+    daemon_threads = True
+    request_queue_size = 128
+
+    def __init__(self, address: tuple[str, int], handler: type[_Handler], max_connections: int,
+                 header_timeout_s: float, tls: ssl.SSLContext | None) -> None:
+        self.max_connections, self.header_timeout_s = max_connections, header_timeout_s
+        self._lock = threading.Lock()
+        self._open = 0
+        self._arriving: dict[socket.socket, float] = {}  # connections whose request is not read yet, oldest first
+        super().__init__(address, handler)
+        if tls:  # the handshake happens in the connection's thread, under its timeouts, not in the accept loop
+            self.socket = tls.wrap_socket(self.socket, server_side=True, do_handshake_on_connect=False)
+
+    def process_request(self, request: socket.socket, client_address: Any) -> None:  # type: ignore[override]
+        with self._lock:
+            self._expire(time.monotonic())
+            if self._open >= self.max_connections:
+                if not self._arriving:  # every thread is sending a response: this one waits its turn elsewhere
+                    _close(request)
+                    return
+                oldest = next(iter(self._arriving))
+                del self._arriving[oldest]
+                _cut(oldest)
+            self._open += 1
+            self._arriving[request] = time.monotonic()
+        super().process_request(request, client_address)
+
+    def service_actions(self) -> None:
+        with self._lock:
+            self._expire(time.monotonic())
+
+    def arrived(self, request: socket.socket) -> None:
+        """The connection's request line and headers are in: it is no longer a candidate for shedding."""
+        with self._lock:
+            self._arriving.pop(request, None)
+
+    def shutdown_request(self, request: socket.socket) -> None:  # type: ignore[override]
+        with self._lock:
+            self._arriving.pop(request, None)
+            self._open -= 1
+        super().shutdown_request(request)
+
+    def _expire(self, now: float) -> None:
+        for request, since in list(self._arriving.items()):
+            if now - since > self.header_timeout_s:
+                del self._arriving[request]
+                _cut(request)
+
+
+def _cut(request: socket.socket) -> None:
+    """Wake the connection's thread from its read with end of file (the thread then closes it)."""
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(request, socket.SHUT_RDWR)
+
+
+def _close(request: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        socket.socket.close(request)
+
+
 class WebServer:
-    """A threaded HTTP server for the page, running beside the MQTT service until `close()`."""
+    """A threaded HTTP(S) server for the page, running beside the MQTT service until `close()`."""
 
     def __init__(self, root: Path, artifacts: Path, fleet: str, broker: str | Callable[[str], str],
-                 host: str = "0.0.0.0", port: int = 0) -> None:
-        """`broker`: the URL for config.json, or a function of the host name the page was requested with.
-        OSError when the port cannot be bound."""
+                 host: str = "0.0.0.0", port: int = 0, *, tls: ssl.SSLContext | None = None,
+                 max_connections: int = MAX_CONNECTIONS, header_timeout_s: float = HEADER_TIMEOUT_S) -> None:
+        """`broker`: the URL for config.json, or a function of the host name the page was requested with; `tls`:
+        https with it. OSError when the port cannot be bound."""
         site = _Site(root.resolve(), artifacts.resolve(), fleet, broker)
         handler = type("Handler", (_Handler,), {"site": site})
-        self._server = ThreadingHTTPServer((host, port), handler)
-        self._server.daemon_threads = True
-        self.host, self.port = host, self._server.server_address[1]
+        self._server = _BoundedServer((host, port), handler, max_connections, header_timeout_s, tls)
+        self.host, self.port, self.scheme = host, self._server.server_address[1], "https" if tls else "http"
         self._thread = threading.Thread(target=self._server.serve_forever, name="fedper-web", daemon=True)
 
     def start(self) -> WebServer:
@@ -119,7 +206,11 @@ class WebServer:
         host = self.host
         if host in ("0.0.0.0", "", "::"):
             host = lan_address() or socket.gethostname()
-        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}/"
+        return f"{self.scheme}://{f'[{host}]' if ':' in host else host}:{self.port}/"
+
+    def loopback(self) -> bool:
+        """Whether only this machine can open the page (it listens on a loopback address)."""
+        return self.host in ("localhost", "::1") or self.host.startswith("127.")
 
     def __enter__(self) -> WebServer:
         return self.start()
@@ -143,6 +234,31 @@ def lan_address() -> str | None:
             if not address.startswith("127."):
                 return address
     return None
+
+
+def _secure_for_https(url: str) -> bool:
+    """Whether an https page may open this broker URL: wss://, or ws:// to a loopback host (a browser allows that)."""
+    parts = urlsplit(url)
+    return parts.scheme == "wss" or (parts.scheme == "ws" and (parts.hostname or "") in ("localhost", "127.0.0.1",
+                                                                                         "::1"))
+
+
+def announce(page: WebServer, fleet: str, echo: Callable[[str], Any]) -> None:
+    """The URL to open, said honestly: a QR code only for an address a phone can reach, and what plain http lacks."""
+    url = page.url()
+    if page.loopback():
+        echo(f"web agent of fleet {fleet}: open {url} on this machine only (a loopback address: phones cannot reach "
+             "it; --web-host 0.0.0.0 or this machine's LAN address for them)")
+        return
+    if page.host in ("0.0.0.0", "", "::") and lan_address() is None:
+        echo(f"web agent of fleet {fleet}: open {url} (this machine has no LAN IPv4 address: that name must resolve "
+             "on the phone)")
+    else:
+        echo(f"web agent of fleet {fleet}: open {url} (a phone on this network: scan the code)")
+    print_qr(url, echo)
+    if page.scheme == "http":
+        echo("plain http: a phone gets no secure context there, so one wasm thread (no cross-origin isolation) and no "
+             "Wake Lock; give --web-cert/--web-key for https (deploy/README.md)")
 
 
 def print_qr(url: str, echo: Callable[[str], Any]) -> None:
@@ -173,8 +289,15 @@ class _Handler(BaseHTTPRequestHandler):
     """GET/HEAD of the page's files, the export's files and config.json; everything else 404 or 405."""
 
     site: _Site
+    server: _BoundedServer
     server_version = "fedper-web"
     sys_version = ""
+    timeout = IO_TIMEOUT_S  # every read and write of the connection, the TLS handshake's included
+
+    def parse_request(self) -> bool:
+        parsed = super().parse_request()  # reads the headers
+        self.server.arrived(self.connection)
+        return parsed
 
     def do_GET(self) -> None:
         self._respond(body=True)
@@ -272,6 +395,11 @@ def serve_page(web: Web, artifacts: Path, fleet: str, ws_port: int | None) -> We
     """The page's server, started; `ws_port`: the embedded broker's WebSocket listener, the default broker URL.
     ValueError (a bad option) or OSError (the port) with one line."""
     root = check_root(web.root or default_root())
+    if (web.cert is None) != (web.key is None):
+        raise ValueError("--web-cert and --web-key go together: the certificate and its private key")
+    if web.cert and not (web.broker and _secure_for_https(web.broker)):
+        raise ValueError("--web-cert: an https page may reach its broker only over wss:// (browsers refuse ws:// "
+                         "from it): give --web-broker wss://HOST/PATH (nginx in front, deploy/README.md)")
     if web.broker:
         broker: str | Callable[[str], str] = check_broker_url(web.broker)
     elif ws_port is not None:
@@ -280,8 +408,9 @@ def serve_page(web: Web, artifacts: Path, fleet: str, ws_port: int | None) -> We
     else:
         raise ValueError("--web-port needs --web-broker URL, the WebSocket URL phones reach the broker at (e.g. "
                          "wss://fleet.example/mqtt, deploy/README.md), or --embedded-broker")
+    tls = tls_context(web.cert, web.key) if web.cert and web.key else None
     try:
-        server = WebServer(root, artifacts, fleet, broker, web.host, web.port or 0)
+        server = WebServer(root, artifacts, fleet, broker, web.host, web.port or 0, tls=tls)
     except OSError as e:
         raise OSError(f"cannot serve the page on {web.host}:{web.port}: {e.strerror or e}") from None
     return server.start()

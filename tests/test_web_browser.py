@@ -79,6 +79,9 @@ def test_a_browser_page_takes_part_in_fedper_rounds(ws_broker, tiny_artifacts, p
     result = json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else {"error": done.stderr}
     assert "error" not in result, (result, processes.log("coordinator")[-3000:])
     assert result["isolated"], "the page is not cross-origin isolated: no wasm threads"
+    assert not [m for m in result["console"] if "404" in m or "favicon" in m], result["console"]  # its icon is inline
+    threads = [line for line in result["log"] if "onnxruntime-web with" in line]
+    assert threads and "one thread:" not in threads[0], threads  # isolated, with shared memory: no reason to give
 
     assert result["reloadedAfter"] >= 2
     restored = [int(m[1]) for line in result["log"] if (m := re.search(r"restored the head of round (\d+)", line))]

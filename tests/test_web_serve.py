@@ -6,6 +6,7 @@ HTTP is spoken with http.client and raw sockets (third-party to the server), MQT
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.client
 import json
@@ -13,6 +14,7 @@ import os
 import re
 import select
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -21,10 +23,11 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
+from helpers.tls import self_signed
 from helpers.websocket import WsBroker, ws_client
 from paho.mqtt.enums import CallbackAPIVersion
 
-from fedper.coordinator.web import WebServer
+from fedper.coordinator.web import WebServer, tls_context
 
 ISOLATION = {"cross-origin-opener-policy": "same-origin", "cross-origin-embedder-policy": "require-corp",
              "cross-origin-resource-policy": "same-origin"}
@@ -122,6 +125,61 @@ def test_default_broker_url_follows_the_host_the_page_was_opened_at(site: tuple[
             assert json.loads(body)["broker"] == broker, host
 
 
+def _request_threads() -> int:
+    """The server's connection threads alive in this process (socketserver names them after their target)."""
+    return sum("process_request_thread" in t.name for t in threading.enumerate())
+
+
+def test_half_sent_requests_are_shed_and_timed_out_and_an_honest_one_is_served(site: tuple[Path, Path]) -> None:
+    """Slowloris from raw sockets: 300 connections each send half a request and wait. The server holds at most its
+    bound of them (one thread each), drops the oldest for each newcomer, closes the rest at the header deadline,
+    and serves an honest request meanwhile."""
+    root, export = site
+    bound, deadline = 16, 2.0
+    with WebServer(root, export, "lab", "ws://h:1/", "127.0.0.1", 0, max_connections=bound,
+                   header_timeout_s=deadline) as server:
+        held = []
+        for _ in range(300):
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+            s.sendall(b"GET /index.html HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # never the blank line
+            held.append(s)
+        time.sleep(0.3)
+        assert _request_threads() <= bound + 1, _request_threads()
+        started = time.monotonic()
+        status, _, body = _get(server.port, "/")
+        assert status == 200 and body == (root / "index.html").read_bytes()
+        assert time.monotonic() - started < 1.0
+        time.sleep(deadline + 1.0)  # past the deadline every connection has been closed: a read gives end of file
+        for s in held:
+            s.settimeout(5)
+            with contextlib.suppress(ConnectionResetError):
+                assert s.recv(100) == b"", "a half-sent request got an answer"
+            s.close()
+        assert _request_threads() == 0
+
+
+def test_https_with_the_operators_certificate(site: tuple[Path, Path], tmp_path: Path) -> None:
+    """--web-cert/--web-key: the page over TLS, verified against the certificate; a silent TCP connection (no
+    handshake) does not stop others; plain http on the port gets nothing."""
+    root, export = site
+    cert, key = self_signed(tmp_path)
+    with WebServer(root, export, "lab", "wss://h/mqtt", "127.0.0.1", 0, tls=tls_context(cert, key)) as server:
+        assert server.url().startswith("https://")
+        silent = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        conn = http.client.HTTPSConnection("127.0.0.1", server.port, timeout=10,
+                                           context=ssl.create_default_context(cafile=str(cert)))
+        conn.request("GET", "/")
+        response = conn.getresponse()
+        assert response.status == 200 and response.read() == (root / "index.html").read_bytes()
+        assert ISOLATION.items() <= {k.lower(): v for k, v in response.getheaders()}.items()
+        conn.close()
+        silent.close()
+        with pytest.raises((http.client.HTTPException, ConnectionError)):
+            _get(server.port, "/")
+    with pytest.raises(ValueError, match="cannot load them"):
+        tls_context(key, cert)
+
+
 def _publish_model(host: str, port: int, topic: str, data: bytes) -> None:
     """Retained QoS 1 chunks over TCP, as the coordinator publishes a model."""
     client = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv311)
@@ -181,17 +239,17 @@ def _start_coordinator(artifacts: Path, state: Path, *extra: str) -> subprocess.
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _page_url(proc: subprocess.Popen[str], timeout: float = 60.0) -> str:
-    """The URL the coordinator prints at start (its stdout, read until then)."""
+def _page_url(proc: subprocess.Popen[str], timeout: float = 60.0) -> tuple[str, str]:
+    """The URL the coordinator prints at start and the line that says it (its stdout, read until then)."""
     deadline, seen = time.monotonic() + timeout, ""
     assert proc.stdout is not None
     while time.monotonic() < deadline:
         if select.select([proc.stdout], [], [], 0.5)[0]:
             line = proc.stdout.readline()
             seen += line
-            match = re.search(r"open (http://\S+)", line)
+            match = re.search(r"open (https?://\S+)", line)
             if match:
-                return match.group(1)
+                return match.group(1), line
         assert proc.poll() is None, f"coordinator exited {proc.returncode}: {seen}{proc.stderr.read()}"  # type: ignore[union-attr]
     raise AssertionError(f"no page URL printed in {timeout} s: {seen}")
 
@@ -208,7 +266,8 @@ def test_coordinator_serves_the_page_and_the_embedded_broker_over_websockets(
     proc = _start_coordinator(tiny_artifacts, tmp_path / "state", "--embedded-broker", "--port", str(port),
                               "--web-port", "0", "--web-host", "127.0.0.1", "--web-root", str(root))
     try:
-        url = _page_url(proc)
+        url, line = _page_url(proc)
+        assert "on this machine only" in line and "scan" not in line, line  # no QR code for a loopback address
         web_port = int(re.match(r"http://127\.0\.0\.1:(\d+)/$", url).group(1))  # type: ignore[union-attr]
         status, headers, body = _get(web_port, "/")
         assert status == 200 and body == (root / "index.html").read_bytes()
@@ -237,6 +296,7 @@ def test_coordinator_serves_the_page_and_the_embedded_broker_over_websockets(
 def test_a_web_port_in_use_or_a_missing_broker_url_is_one_line_and_exit_2(
         tiny_artifacts: Path, site: tuple[Path, Path], tmp_path: Path) -> None:
     root, _ = site
+    cert, key = self_signed(tmp_path)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -249,7 +309,13 @@ def test_a_web_port_in_use_or_a_missing_broker_url_is_one_line_and_exit_2(
     assert err.strip().count("\n") == 0 and f"cannot serve the page on 127.0.0.1:{busy}" in err, err
     for extra, message in ((["--web-root", str(root)], "--web-port needs --web-broker"),
                            (["--web-root", str(root), "--web-broker", "mqtt://h:1883"], "--web-broker 'mqtt://"),
-                           (["--web-root", str(tmp_path), "--web-broker", "ws://h:1/"], "no index.html")):
+                           (["--web-root", str(tmp_path), "--web-broker", "ws://h:1/"], "no index.html"),
+                           (["--web-root", str(root), "--web-broker", "wss://h/", "--web-cert", str(cert)],
+                            "--web-cert and --web-key go together"),
+                           (["--web-root", str(root), "--web-broker", "ws://h:1/", "--web-cert", str(cert),
+                             "--web-key", str(key)], "only over wss://"),
+                           (["--web-root", str(root), "--web-broker", "wss://h/", "--web-cert", str(key),
+                             "--web-key", str(cert)], "cannot load them")):
         proc = _start_coordinator(tiny_artifacts, tmp_path / "s2", "--broker", "mqtt://127.0.0.1:1",
                                   "--web-port", "0", *extra)
         _, err = proc.communicate(timeout=120)

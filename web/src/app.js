@@ -28,6 +28,19 @@ function status(text) {
   $('status').textContent = text;
 }
 
+/** Whether wasm threads can run here: they need shared memory, which a browser gives a cross-origin isolated page
+ * only (and only in a secure context: https or localhost). hardwareConcurrency alone says nothing about that. */
+function canThread() {
+  return self.crossOriginIsolated === true && typeof SharedArrayBuffer !== 'undefined';
+}
+
+/** One line: why this page runs one thread. */
+function whyOneThread() {
+  if (!self.isSecureContext) return 'one thread: plain http is not a secure context, so no shared memory; open the https address';
+  if (!self.crossOriginIsolated) return 'one thread: the page is not cross-origin isolated (its server sends no COOP/COEP headers)';
+  return 'one thread: this browser has no SharedArrayBuffer';
+}
+
 /** The run's settings: config.json, then the URL's query parameters. */
 async function settings() {
   const response = await fetch('config.json').catch(() => null);
@@ -39,7 +52,7 @@ async function settings() {
     fleet: q.get('fleet') ?? config.fleet,
     artifacts: new URL(config.artifacts ?? 'artifacts/', location.href),
     device: q.get('device'),
-    threads: number('threads', self.crossOriginIsolated ? Math.min(4, navigator.hardwareConcurrency || 1) : 1),
+    threads: number('threads', canThread() ? Math.min(4, navigator.hardwareConcurrency || 1) : 1),
     training: {
       lr: number('lr', DEFAULTS.lr), localEpochs: number('epochs', DEFAULTS.localEpochs),
       batchSize: number('batch', DEFAULTS.batchSize), seed: number('seed', DEFAULTS.seed),
@@ -94,7 +107,7 @@ async function main() {
   ort.env.wasm.numThreads = s.threads;
   const started = performance.now();
   const trainer = await Trainer.open(ort, manifest, read, { executionProviders: ['wasm'] });
-  log(`model ${manifest.model.architecture} (${manifest.algorithm}, ${manifest.classes.length} classes) ready in ${((performance.now() - started) / 1000).toFixed(1)} s; onnxruntime-web with ${s.threads} thread(s)${self.crossOriginIsolated ? '' : ' (not cross-origin isolated: one thread)'}`);
+  log(`model ${manifest.model.architecture} (${manifest.algorithm}, ${manifest.classes.length} classes) ready in ${((performance.now() - started) / 1000).toFixed(1)} s; onnxruntime-web with ${s.threads} thread(s)${canThread() ? '' : ` (${whyOneThread()})`}`);
 
   const [, height, width] = manifest.model.input_shape;
   let images = (await store.get('images')) ?? [];
@@ -122,6 +135,7 @@ async function main() {
     await agent.restore();
     log(`${device}: ${data.yTrain.length} training / ${data.yTest.length} test images, connecting to ${s.broker}`);
     wakeLock = await navigator.wakeLock?.request('screen').catch(() => null); // a sleeping phone stops training
+    log(`keep this page in front while the fleet runs: a phone pauses a page behind others${wakeLock ? '; the screen stays on meanwhile' : ' (this browser cannot keep the screen on here: it may sleep)'}`);
     const credentials = password ? { username: device, password } : {};
     run = runAgent(agent, mqtt, s.broker, { ...credentials, log, onChange: () => status(describe()) });
     showCounts();

@@ -1,6 +1,7 @@
 // Drives Debian's chromium through puppeteer-core for tests/test_web_browser.py: opens the page as a phone would,
 // picks the images of each class with the file picker, joins, reloads the page once its round-`reloadAfter`
 // update is out (0: no reload), and waits for the run to finish. Prints one JSON line: what the page showed and logged.
+// With SHOTS=DIR it saves what a person sees, as PNGs: at start, mid-round (while taking part) and at the end.
 //
 //   node web/test/browser/drive.mjs URL IMAGES_DIR RELOAD_AFTER_ROUND TIMEOUT_S
 
@@ -19,6 +20,8 @@ try {
   const page = await browser.newPage();
   page.on('console', (m) => result.console.push(m.text()));
   page.on('pageerror', (e) => result.console.push(`pageerror: ${e.message}`));
+  await page.setViewport({ width: 412, height: 915, deviceScaleFactor: 1, isMobile: true, hasTouch: true });
+  const shot = (name) => (process.env.SHOTS ? page.screenshot({ path: join(process.env.SHOTS, `${name}.png`), fullPage: true }) : null);
   const until = async (what, check, ...args) => {
     while (Date.now() < deadline) {
       const value = await page.evaluate(check, ...args).catch(() => null);
@@ -37,7 +40,10 @@ try {
     await until(`the images of class ${label}`, (text) => document.querySelector('#counts').textContent.includes(text), `${label}: ${files.length}`);
   }
   await until('all images', () => !document.querySelector('#join').disabled);
+  await shot('start');
   await page.click('#join');
+  await until('a round', () => document.querySelector('#status').textContent.includes('taking part'));
+  await shot('mid-round');
   if (Number(reloadAfter) > 0) {
     result.reloadedAfter = await until(`the update of round ${reloadAfter}`, (k) => {
       const sent = window.fedper.agent()?.lastSent ?? 0; // sentRound resets at each RoundInfo: too brief to poll
@@ -49,6 +55,7 @@ try {
   }
   result.final = (await until('the run to finish', () => window.fedper.agent()?.finalAccuracy != null && { accuracy: window.fedper.agent().finalAccuracy })).accuracy;
   result.status = await page.$eval('#status', (e) => e.textContent);
+  await shot('end');
   result.log = await page.evaluate(() => window.fedper.lines);
   result.device = await page.evaluate(() => window.fedper.device);
 } catch (e) {
