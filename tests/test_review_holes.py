@@ -17,7 +17,6 @@ from hand-made frames (tests/helpers/frames.py) or third-party clients, expected
 from __future__ import annotations
 
 import base64
-import hashlib
 import io
 import json
 import logging
@@ -34,7 +33,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers.frames import chunks, to_json
+from helpers.frames import to_json
 from helpers.processes import Processes, coordinator_args, run_fleet, saved_state
 from test_agent_fleet import agent_config, device_data
 from test_async_engine import copy, make, plus, records, register, send
@@ -43,7 +42,6 @@ from test_secagg_live import CLIP, Impostor, make_agents, run_agents
 from test_secagg_live_engine import Fleet, flat_manifest
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
-from fedper.artifacts import BASE_FILE
 from fedper.edge.agent import Agent
 from fedper.edge.secure_round import ADVERTISED_FILE
 from fedper.manifest import Manifest
@@ -280,15 +278,7 @@ def test_real_agents_advertise_and_sign_once_per_session_across_sessions_and_res
     directory; their state directories name the sessions, mode 600."""
     fleet, session = "replay", 77
     manifest = Manifest.load(tiny_artifacts)
-    model = (tiny_artifacts / BASE_FILE).read_bytes()
-    impostor = Impostor(mosquitto.port, fleet)
-    model_frames = chunks(model, {"round": 1}, blob_id="r1", chunk_size=60_000)
-    for i, f in enumerate(model_frames):
-        impostor.publish(f"model/r1/{i}", f, retain=True)
-    info = {"v": 1, "round": 1, "rounds": 1, "state": "open", "deadline": time.time() + 600, "blob_id": "r1",
-            "size": len(model), "sha256": hashlib.sha256(model).hexdigest(), "count": len(model_frames),
-            "base_digest": manifest.base_digest, "secagg_session": session}
-    impostor.publish("round", to_json(info).encode(), retain=True)
+    impostor, info = Impostor.open_round(mosquitto.port, fleet, tiny_artifacts, session)
     logs: dict[str, list[str]] = {}
     agents = make_agents(tmp_path, tiny_artifacts, mosquitto.url, fleet, 3, logs)
     names = [a.config.client_id for a in agents]

@@ -19,6 +19,7 @@ import secrets
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import paho.mqtt.client as mqtt
@@ -250,6 +251,21 @@ class Impostor:
         self.client.loop_start()
         self.client.subscribe(f"{self.base}/secagg/+", qos=1)
 
+    @classmethod
+    def open_round(cls, port: int, fleet: str, artifacts: Path, session: int) -> tuple[Impostor, dict[str, Any]]:
+        """An impostor that has retained round 1's model (hand-built chunks) and its RoundInfo naming `session`."""
+        manifest = Manifest.load(artifacts)
+        model = (artifacts / BASE_FILE).read_bytes()
+        impostor = cls(port, fleet)
+        model_frames = chunks(model, {"round": 1}, blob_id="r1", chunk_size=60_000)
+        for i, f in enumerate(model_frames):
+            impostor.publish(f"model/r1/{i}", f, retain=True)
+        info = {"v": 1, "round": 1, "rounds": 1, "state": "open", "deadline": time.time() + 600, "blob_id": "r1",
+                "size": len(model), "sha256": hashlib.sha256(model).hexdigest(), "count": len(model_frames),
+                "base_digest": manifest.base_digest, "secagg_session": session}
+        impostor.publish("round", to_json(info).encode(), retain=True)
+        return impostor, info
+
     def _on_message(self, client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
         with self.lock:
             self.inbox.setdefault(msg.topic.rsplit("/", 1)[1], []).append(json.loads(msg.payload))
@@ -283,15 +299,7 @@ def test_real_agents_refuse_a_coordinator_that_lies_about_the_survivors_to_unmas
     from dev1, which revealed shares in this round."""
     fleet, session = "impostor", 77
     manifest = Manifest.load(tiny_artifacts)
-    model = (tiny_artifacts / BASE_FILE).read_bytes()
-    impostor = Impostor(mosquitto.port, fleet)
-    model_frames = chunks(model, {"round": 1}, blob_id="r1", chunk_size=60_000)
-    for i, f in enumerate(model_frames):
-        impostor.publish(f"model/r1/{i}", f, retain=True)
-    info = {"v": 1, "round": 1, "rounds": 1, "state": "open", "deadline": time.time() + 600, "blob_id": "r1",
-            "size": len(model), "sha256": hashlib.sha256(model).hexdigest(), "count": len(model_frames),
-            "base_digest": manifest.base_digest, "secagg_session": session}
-    impostor.publish("round", to_json(info).encode(), retain=True)
+    impostor, info = Impostor.open_round(mosquitto.port, fleet, tiny_artifacts, session)
     logs: dict[str, list[str]] = {}
     agents = make_agents(tmp_path, tiny_artifacts, mosquitto.url, fleet, 3, logs)
     names = [a.config.client_id for a in agents]
