@@ -110,7 +110,11 @@ def _publish(client: mqtt.Client, coordinator: Coordinator, messages: list[Outgo
                 log.warning("final messages not acknowledged yet: %s", e)
                 break
     was_pending = bool(broadcast.pending)
-    while broadcast.pending and broadcast.pending[0].is_published():  # acknowledged in order, or nearly
-        broadcast.pending.popleft()
+    try:
+        while broadcast.pending and broadcast.pending[0].is_published():  # acknowledged in order, or nearly
+            broadcast.pending.popleft()
+    except (RuntimeError, ValueError):  # published while the broker was away: paho resends it; no timing then
+        broadcast.pending.clear()
+        return
     if was_pending and not broadcast.pending:
         coordinator.note_broadcast(time.perf_counter() - broadcast.started)

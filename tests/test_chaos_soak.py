@@ -1,0 +1,108 @@
+"""The chaos soak's checker (benchmarks/chaos_check.py) finds doctored runs, and the soak's 2-minute form
+(sync mode, 1 minute calm and 1 under faults) passes it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save, save_file
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import chaos_check  # noqa: E402 (benchmarks/ is not a package: imported from its folder)
+
+BASE = "fedper/v1/chaos"
+DEVICES = {"dev-000": 1, "dev-001": 2, "dev-002": 3}  # name -> n_samples
+
+
+def frame(blob_id: str, blob: bytes, index: int, count: int, size: int) -> bytes:
+    """A chunk frame built by hand after docs/protocol.md (u32 header length, u32 crc32, JSON header, body)."""
+    part = blob[index * size:(index + 1) * size]
+    head = json.dumps({"v": 1, "blob_id": blob_id, "index": index, "count": count, "size": len(blob),
+                       "chunk_size": size, "sha256": hashlib.sha256(blob).hexdigest(), "meta": {}}).encode()
+    return struct.pack(">II", len(head), zlib.crc32(part, zlib.crc32(head))) + head + part
+
+
+def record(topic: str, payload: bytes) -> bytes:
+    return struct.pack("!HI", len(topic), len(payload)) + topic.encode() + payload
+
+
+def make_run(folder: Path, *, leave_out: str | None = None, n_samples_extra: int = 0,
+             leak_head: bool = False) -> None:
+    """A run folder as the soak leaves it: three devices' updates for round 1, the model r2 released after it
+    (the float64 weighted mean, or leaving out one device's update), metrics.jsonl, the capture."""
+    for sub in ("sent", "heads", "state"):
+        (folder / sub).mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    updates = {d: {"base.w": rng.normal(size=(4, 8)).astype(np.float32)} for d in DEVICES}
+    heads = {d: {"head.weight": rng.normal(size=(3, 8)).astype(np.float32)} for d in DEVICES}
+    for d, n in DEVICES.items():
+        save_file(updates[d], str(folder / "sent" / f"{d}-r1-1.safetensors"),
+                  metadata={"n_samples": str(n), "round": "1", "device": d})
+        save_file(heads[d], str(folder / "heads" / f"{d}.safetensors"))
+    folded = [d for d in DEVICES if d != leave_out]
+    mean = sum(DEVICES[d] * updates[d]["base.w"].astype(np.float64) for d in folded) / sum(DEVICES[d] for d in folded)
+    model = save({"base.w": mean.astype(np.float32)})
+    capture = b"".join(record(f"{BASE}/model/r2/{i}", frame("r2", model, i, 2, len(model) // 2 + 1))
+                       for i in range(2))
+    if leak_head:
+        capture += record(f"{BASE}/update/dev-001", save(heads["dev-001"]))
+    (folder / "capture.bin").write_bytes(capture)
+    metrics = {"round": 1, "devices": list(DEVICES), "n_samples": sum(DEVICES.values()) + n_samples_extra}
+    (folder / "state" / "metrics.jsonl").write_text(json.dumps(metrics) + "\n")
+    (folder / "soak.json").write_text(json.dumps({"seconds": 60, "faults": {}, "unreadable_state": [],
+                                                  "crashes": []}))
+
+
+def test_checker_passes_an_honest_run(tmp_path: Path) -> None:
+    make_run(tmp_path)
+    result = chaos_check.check(tmp_path)
+    assert result["violations"] == [] and result["verified"] == 1
+
+
+def test_checker_finds_a_model_off_by_one_update(tmp_path: Path) -> None:
+    make_run(tmp_path, leave_out="dev-002")
+    assert any("not the weighted mean" in v for v in chaos_check.check(tmp_path)["violations"])
+
+
+def test_checker_finds_a_doctored_metrics_line(tmp_path: Path) -> None:
+    make_run(tmp_path, n_samples_extra=1)
+    assert any("n_samples" in v for v in chaos_check.check(tmp_path)["violations"])
+
+
+def test_checker_finds_a_head_on_the_wire(tmp_path: Path) -> None:
+    make_run(tmp_path, leak_head=True)
+    assert any("head tensor head.weight of dev-001" in v for v in chaos_check.check(tmp_path)["violations"])
+
+
+def test_checker_command_exits_non_zero_on_a_violation(tmp_path: Path) -> None:
+    make_run(tmp_path, leave_out="dev-000")
+    done = subprocess.run([sys.executable, str(BENCH / "chaos_check.py"), str(tmp_path)], capture_output=True,
+                          text=True)
+    assert done.returncode == 1 and "VIOLATION" in done.stdout
+
+
+@pytest.mark.mosquitto
+@pytest.mark.soak
+@pytest.mark.skipif(shutil.which("mosquitto") is None and not Path("/usr/sbin/mosquitto").exists(),
+                    reason="mosquitto not installed (apt-get install mosquitto)")
+def test_quick_soak_finds_no_violation(tmp_path: Path) -> None:
+    """Sync mode, 1 minute without faults and 1 minute with coordinator SIGKILLs, broker restarts and devices
+    leaving (some mid-upload); the command exits 1 on any violation."""
+    done = subprocess.run([sys.executable, str(BENCH / "chaos_soak.py"), "--quick", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    faults = json.loads((tmp_path / "sync-faults" / "soak.json").read_text())
+    assert faults["faults"].get("coordinator_kill", 0) >= 1
+    result = chaos_check.check(tmp_path / "sync-faults")
+    assert result["rounds"] >= 1 and result["verified"] >= 1
