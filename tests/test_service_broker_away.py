@@ -7,7 +7,8 @@ from pathlib import Path
 
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
-from fedper.coordinator.engine import Config, Coordinator
+from fedper.coordinator.config import Config
+from fedper.coordinator.durable import Coordinator
 from fedper.coordinator.service import _Broadcast, _publish
 from fedper.coordinator.store import Store
 from fedper.mqtt import make_client
