@@ -16,7 +16,6 @@ from hand-made frames (tests/helpers/frames.py) or third-party clients, expected
 
 from __future__ import annotations
 
-import base64
 import io
 import json
 import logging
@@ -38,7 +37,7 @@ from helpers.processes import Processes, coordinator_args, run_fleet, saved_stat
 from test_agent_fleet import agent_config, device_data
 from test_async_engine import copy, make, plus, records, register, send
 from test_coordinator_live import FLEET, TOPICS, wait_for, write_artifacts
-from test_secagg_live import CLIP, Impostor, make_agents, run_agents
+from test_secagg_live import Impostor, make_agents, run_agents
 from test_secagg_live_engine import Fleet, flat_manifest
 from vectors.make_vectors import tiny_manifest, tiny_tensors
 
@@ -301,20 +300,7 @@ def test_real_agents_advertise_and_sign_once_per_session_across_sessions_and_res
         raise AssertionError(f"{name} never logged {text!r}: {logs[name]}")
 
     try:
-        adverts = impostor.wait_for("advertise", names)
-        pack = {name: base64.b64encode(b"".join(base64.b64decode(adverts[name][k]) for k in (
-            "c_public", "s_public", "identity", "certificate", "signature"))).decode() for name in names}
-        length = sum(int(np.prod(t.shape)) for t in manifest.shared_tensors)
-        for i, name in enumerate(names):
-            relay(name, {"stage": "neighbours", "roster": names, "groups": [3], "index": i, "length": length,
-                         "clip": CLIP, "degree": 2, "threshold": 2, "value_bits": 30, "graph_seed": 0,
-                         "weight_scale": max(a.n_samples for a in agents),
-                         "adverts": {str(j): pack[other] for j, other in enumerate(names) if other != name}})
-        shares = impostor.wait_for("shares", names)
-        for i, name in enumerate(names):
-            relay(name, {"stage": "shares", "shares": {str(j): shares[other]["shares"][str(i)]
-                                                       for j, other in enumerate(names) if other != name}})
-        impostor.wait_for("received", names)
+        impostor.exchange_keys(names, session, manifest, max(a.n_samples for a in agents))
         for name in names:
             relay(name, {"stage": "mask", "excluded": []})
         for name in names:

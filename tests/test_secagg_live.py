@@ -282,6 +282,29 @@ class Impostor:
             threading.Event().wait(0.1)
         raise AssertionError(f"no {stage} message from each of {devices}: {self.inbox}")
 
+    def relay(self, name: str, session: int, body: dict[str, Any]) -> None:
+        """A relayed secure-aggregation message of round 1's `session` to device `name`."""
+        self.publish(f"relay/{name}", to_json({"v": 1, "round": 1, "session": session, **body}).encode())
+
+    def exchange_keys(self, names: list[str], session: int, manifest: Manifest,
+                      weight_scale: int) -> tuple[dict[str, dict], dict[str, dict]]:
+        """Run `session` honestly up to the devices' "received" reports (adverts relayed as neighbours, shares
+        passed on); returns the adverts and the reports."""
+        adverts = self.wait_for("advertise", names)
+        pack = {name: base64.b64encode(b"".join(base64.b64decode(adverts[name][k]) for k in (
+            "c_public", "s_public", "identity", "certificate", "signature"))).decode() for name in names}
+        length = sum(int(np.prod(t.shape)) for t in manifest.shared_tensors)
+        for i, name in enumerate(names):
+            self.relay(name, session, {
+                "stage": "neighbours", "roster": names, "groups": [3], "index": i, "length": length, "clip": CLIP,
+                "degree": 2, "threshold": 2, "value_bits": 30, "graph_seed": 0, "weight_scale": weight_scale,
+                "adverts": {str(j): pack[other] for j, other in enumerate(names) if other != name}})
+        shares = self.wait_for("shares", names)
+        for i, name in enumerate(names):
+            self.relay(name, session, {"stage": "shares", "shares": {
+                str(j): shares[other]["shares"][str(i)] for j, other in enumerate(names) if other != name}})
+        return adverts, self.wait_for("received", names)
+
     def close(self) -> None:
         self.client.disconnect()
         self.client.loop_stop()
@@ -314,20 +337,7 @@ def test_real_agents_refuse_a_coordinator_that_lies_about_the_survivors_to_unmas
             adverts[name]["identity"], adverts[name]["certificate"], signature))).decode()
 
     try:
-        adverts = impostor.wait_for("advertise", names)
-        pack = {name: base64.b64encode(b"".join(base64.b64decode(adverts[name][k]) for k in (
-            "c_public", "s_public", "identity", "certificate", "signature"))).decode() for name in names}
-        length = sum(int(np.prod(t.shape)) for t in manifest.shared_tensors)
-        for i, name in enumerate(names):
-            relay(name, {"stage": "neighbours", "roster": names, "groups": [3], "index": i, "length": length,
-                         "clip": CLIP, "degree": 2, "threshold": 2, "value_bits": 30, "graph_seed": 0,
-                         "weight_scale": max(a.n_samples for a in agents),
-                         "adverts": {str(j): pack[other] for j, other in enumerate(names) if other != name}})
-        shares = impostor.wait_for("shares", names)
-        for i, name in enumerate(names):
-            relay(name, {"stage": "shares", "shares": {str(j): shares[other]["shares"][str(i)]
-                                                       for j, other in enumerate(names) if other != name}})
-        reports = impostor.wait_for("received", names)
+        adverts, reports = impostor.exchange_keys(names, session, manifest, max(a.n_samples for a in agents))
         assert all(r["skipped"] == [] for r in reports.values())
         for name in names:
             relay(name, {"stage": "mask", "excluded": []})
