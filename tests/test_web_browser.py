@@ -87,6 +87,8 @@ def test_a_browser_page_takes_part_in_fedper_rounds(ws_broker, tiny_artifacts, p
     restored = [int(m[1]) for line in result["log"] if (m := re.search(r"restored the head of round (\d+)", line))]
     assert restored and restored[-1] >= result["reloadedAfter"], result["log"]  # it may have trained on meanwhile
     assert 0 <= result["final"] <= 1 and "finished" in result["status"]
+    # the accuracy a person reads stands beside its chance line (web/test/chance.test.mjs holds its words to Python's)
+    assert re.search(r"\(\d+ class(es)?: guessing the most frequent gives \d+ %\)$", result["status"]), result["status"]
     rounds = [json.loads(line) for line in (state / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds] == list(range(1, ROUNDS + 1))
     for r in rounds:

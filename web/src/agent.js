@@ -14,6 +14,7 @@
 // round's RoundInfo is (re)published, and so is one of an earlier round that asynchronous rounds (RoundInfo's
 // max_staleness, docs/protocol.md 8.2) still take. What reaches the page is checked before anything is loaded.
 
+import { chanceWords } from './chance.js';
 import { DELTA_CODECS, encodeTensors } from './codecs.js';
 import { encodeSafetensors, decodeSafetensors } from './safetensors.js';
 import { DEFAULT_CHUNK_SIZE, Reassembler, Topics, WireError, chunkBlob, decodeChunk, decodeMessage, encodeMessage, messageFields } from './wire.js';
@@ -540,7 +541,7 @@ export class Agent {
     this.trainer.load(model);
     await this.tuneForServing(info.rounds + 1); // the emulator's evaluation after round R keys it R + 1
     const { accuracy, loss } = await this.trainer.evaluate(this.data.xTest, this.data.yTest);
-    this.log(`finished after ${info.rounds} rounds: personalized accuracy ${accuracy.toFixed(4)}`);
+    this.log(`finished after ${info.rounds} rounds: personalized accuracy ${accuracy.toFixed(4)} (${chanceWords(this.data.yTest)})`);
     const served = Object.fromEntries(this.trainer.read(this.manifest.names()));
     await this.store.put('final', { rounds: info.rounds, accuracy, loss, served });
     return accuracy;
@@ -581,7 +582,7 @@ export class Agent {
       update: Object.fromEntries(this.trainer.read(this.manifest.names({ shared: true }))),
     };
     await this.store.put('device', saved);
-    this.log(`round ${round}: served accuracy ${accuracy.toFixed(4)} (test loss ${testLoss.toFixed(4)}); trained ${samples} samples in ${seconds.toFixed(1)} s (${(samples / Math.max(seconds, 1e-9)).toFixed(0)} samples/s), train loss ${trainLoss.toFixed(4)}`);
+    this.log(`round ${round}: served accuracy ${accuracy.toFixed(4)} (${chanceWords(d.yTest)}; test loss ${testLoss.toFixed(4)}); trained ${samples} samples in ${seconds.toFixed(1)} s (${(samples / Math.max(seconds, 1e-9)).toFixed(0)} samples/s), train loss ${trainLoss.toFixed(4)}`);
     return saved;
   }
 }

@@ -7,6 +7,7 @@ import * as ort from './vendor/ort/ort.training.wasm.mjs';
 import mqtt from './vendor/mqtt.esm.js';
 import { Agent, DEFAULTS } from './agent.js';
 import { openArtifacts } from './artifacts.js';
+import { chanceWords } from './chance.js';
 import { localData } from './dataset.js';
 import { resizeBilinear } from './images.js';
 import { IndexedDBStore } from './store.js';
@@ -120,12 +121,13 @@ async function main() {
   };
   const describe = () => {
     if (!agent) return images.length < 2 ? 'add at least two images, then join' : 'ready to join';
-    if (agent.finalAccuracy !== null) return `finished: personalized accuracy ${(100 * agent.finalAccuracy).toFixed(1)} %`;
+    const chance = chanceWords(agent.data.yTest);
+    if (agent.finalAccuracy !== null) return `finished: personalized accuracy ${(100 * agent.finalAccuracy).toFixed(1)} % (${chance})`;
     const info = agent.round;
     if (!info) return 'connecting…';
     const sent = agent.saved && agent.saved.round === info.round;
     const accuracy = agent.saved?.metrics?.accuracy;
-    return `round ${info.round} of ${info.rounds}: ${sent ? 'update sent' : 'taking part'}${accuracy === undefined ? '' : ` · accuracy ${(100 * accuracy).toFixed(1)} %`}`;
+    return `round ${info.round} of ${info.rounds}: ${sent ? 'update sent' : 'taking part'}${accuracy === undefined ? '' : ` · accuracy ${(100 * accuracy).toFixed(1)} % (${chance})`}`;
   };
 
   const start = async () => {
