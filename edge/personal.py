@@ -8,7 +8,8 @@ After every round (and after the last) the agent writes into its state directory
                     resize, 0..1, then (x - mean) / std per channel, NCHW float32), the round, the accuracy
                     measured on the device's test split and its chance line
 
-each atomically (fedper.checkpoint: temporary file, fsync, rename), the model first, so personal.json
+each atomically (fedper.checkpoint: temporary file, fsync, rename) and mode 600 like the rest of the state (the
+head is in it), the model first, so personal.json
 never describes a model that is not there. `predict` classifies image files with it.
 """
 
@@ -46,11 +47,11 @@ class PersonalModel:
 
         for init in self.graph.graph.initializer:
             init.CopyFrom(numpy_helper.from_array(np.asarray(tensors[init.name], np.float32), init.name))
-        checkpoint.atomic_write(directory / PERSONAL_MODEL, self.graph.SerializeToString())
+        checkpoint.atomic_write(directory / PERSONAL_MODEL, self.graph.SerializeToString(), mode=checkpoint.PRIVATE)
         m = self.manifest.model
         info = {"model": PERSONAL_MODEL, "classes": self.classes, "input_shape": list(m.input_shape),
                 "mean": list(m.mean), "std": list(m.std), "preprocessing": PREPROCESSING, **record}
-        checkpoint.atomic_write(directory / PERSONAL_INFO, json.dumps(info, indent=2).encode())
+        checkpoint.atomic_write(directory / PERSONAL_INFO, json.dumps(info, indent=2).encode(), mode=checkpoint.PRIVATE)
 
 
 def preprocess(images: Sequence[Path], info: Mapping[str, Any]) -> np.ndarray:
