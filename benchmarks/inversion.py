@@ -92,7 +92,7 @@ class Attack:
 
 
 def cifar10_images(pack: Path, count: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """`count` test images (uint8 NHWC) and labels of ../shared/data/cifar10-jpeg.npz, a seeded draw."""
+    """`count` test images (uint8 NHWC) and labels of a CIFAR-10 JPEG pack (.npz), a seeded draw."""
     with np.load(pack) as arrays:
         blob, offsets, labels = arrays["test_jpeg"], arrays["test_offsets"], arrays["test_labels"]
     chosen = np.random.default_rng(seed).choice(len(labels), count, replace=False)

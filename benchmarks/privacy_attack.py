@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from common import machine, table
 
 REPO = Path(__file__).resolve().parents[1]
-PACK = REPO.parent / "shared" / "data" / "cifar10-jpeg.npz"
+PACK: Path | None = None  # --cifar10: a CIFAR-10 JPEG pack (.npz); without it, scikit-learn's bundled digits
 
 
 @dataclass(frozen=True)
@@ -68,9 +68,9 @@ def cases(iterations: int, quick: bool) -> list[Case]:
 
 
 def load_images(count: int, seed: int) -> tuple[np.ndarray, np.ndarray, str]:
-    if PACK.is_file():
+    if PACK is not None:
         return (*inv.cifar10_images(PACK, count, seed), "CIFAR-10 (test split)")
-    return (*inv.digits_images(count, seed=seed), "scikit-learn digits, upsampled to 32x32 (CIFAR-10 pack absent)")
+    return (*inv.digits_images(count, seed=seed), "scikit-learn digits, upsampled to 32x32 (no --cifar10 pack given)")
 
 
 def pretrained(setup: inv.Setup, steps: int, seed: int) -> torch.nn.Module:
@@ -199,6 +199,8 @@ def run(out: Path, quick: bool, iterations: int | None = None, pretrain_steps: i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cifar10", type=Path, default=None, help="a CIFAR-10 pack of JPEGs (.npz with test_jpeg, "
+                        "test_offsets, test_labels) to attack; default: scikit-learn's bundled digits")
     parser.add_argument("--out", type=Path, default=Path("runs/bench"), help="folder for the table (JSON, markdown) "
                         "and, without --figure, the figure")
     parser.add_argument("--quick", action="store_true", help="10 attack iterations, 20 pretraining steps, fewer "
@@ -212,6 +214,10 @@ def main() -> None:
     args = parser.parse_args()
     if (args.iterations is not None and args.iterations < 1) or (args.pretrain_steps or 0) < 0:
         parser.error("--iterations must be >= 1 and --pretrain-steps >= 0")
+    global PACK
+    if args.cifar10 is not None and not args.cifar10.is_file():
+        parser.error(f"--cifar10 {args.cifar10}: no such file")
+    PACK = args.cifar10
     print(run(args.out, args.quick, args.iterations, args.pretrain_steps, args.figure))
 
 
