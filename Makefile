@@ -67,7 +67,7 @@ demo: install
 
 test: install mosquitto websocket prometheus chromium web
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=15
 	@if [ -f web/dist/index.html ]; then node --test web/test/*.test.mjs; else echo "web agent not built: node tests skipped"; fi
 
 # pip's resolver, for every platform tag (Linux x86-64/aarch64, macOS arm64/x86-64) and Python 3.10-3.13:
