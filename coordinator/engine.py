@@ -38,6 +38,8 @@ from fedper.coordinator.store import (
     RoundRecord,
 )
 from fedper.coordinator.strategies import strategy_for
+from fedper.coordinator.strategies.base import Folded as FoldedVerdict
+from fedper.coordinator.strategies.base import Opened, Ready, Refused, Retry, Verdict
 from fedper.manifest import Manifest
 from fedper.payload import decode_shared, encode_shared
 from fedper.selection import Backoff
@@ -78,8 +80,9 @@ class RoundEngine:
         self._steps = {Step.CLOSE: self._close, Step.EXTEND: self._extend, Step.RELEASE: self._release,
                        Step.OPEN: self._open_next, Step.REOPEN: self._reopen}
         self._released: tuple[RoundRecord, dict[str, Any]] | None = None  # between RELEASE and OPEN
+        self._round_fields: dict[str, Any] = {}  # the strategy's RoundInfo fields for the open round
         self.bytes_sent = 0  # payload bytes the service published for this process (monitoring)
-        self._intake = Intake(config.quotas, config.rounds.chunk_size, self.strategy.upload_size(), topics)
+        self._intake = Intake(config.quotas, config.rounds.chunk_size, self.strategy.terms.upload_size, topics)
         self._log = DeviceLog(log)  # per-device records at a bounded rate (coordinator/logs.py)
         # liveness of the open round's invitations (--clients-per-round), in this process: restarts begin afresh
         self._invitations = Invitations(config, self._registry.available, self.strategy, self._log)
@@ -97,7 +100,7 @@ class RoundEngine:
         if saved is not None:
             self._resume(saved)
         else:
-            self.strategy.open(1, self.model, finished=False)
+            self._open_strategy()
 
     # ------------------------------------------------------------ what a strategy may read (strategies.base.Fleet)
 
@@ -160,15 +163,21 @@ class RoundEngine:
         if not self.selecting:  # the open round keeps its invitations only when still selecting
             self.round.selected, self.round.invited, self.round.invite_cap = False, set(), 0
             self.round.carried = {}
-        self.strategy.resume(saved.strategy, self.round, self.model, self.finished)
+        stopped = self._open_strategy(saved.strategy).stopped
         resumed, finished = self.round, self.finished
-        reopened = finished and self.config.rounds.rounds > resumed.number and not self.strategy.stopped
+        reopened = finished and self.config.rounds.rounds > resumed.number and not stopped
         if reopened:  # more rounds than it ran: the next opens over the final model
             self.phase, self.round = Phase.COLLECTING, RoundRecord(resumed.number + 1)
-            self.strategy.open(self.round.number, self.model, finished=False)
+            self._open_strategy()
             self._commit()
-        log_resumed(self.outbox.dir, resumed, self.config.rounds.rounds, finished, self.strategy.stopped, reopened,
+        log_resumed(self.outbox.dir, resumed, self.config.rounds.rounds, finished, stopped, reopened,
                     len(self.registered))
+
+    def _open_strategy(self, saved: Mapping[str, Any] | None = None) -> Opened:
+        """The strategy opens the open round (`saved`: resumes its checkpoint in it)."""
+        opened = self.strategy.open(self.round, self.model, self.finished, saved)
+        self._round_fields = opened.fields
+        return opened
 
     def announce(self, now: float) -> list[Outgoing]:
         """Everything a device needs to join now (also after a broker restart lost retained messages)."""
@@ -254,21 +263,19 @@ class RoundEngine:
         return out
 
     def _advance(self, now: float) -> list[Outgoing]:
-        """The strategy's own deadlines; then the round's rule: it closes at quorum (--min-clients, and the
-        strategy's) once everyone answered, M did with --clients-per-round, or the deadline passed."""
-        out = self.strategy.tick(now)
-        self._state_dirty |= bool(out)
-        verdict = self._verdict()
-        if self.phase is Phase.COLLECTING and verdict is None:
-            done = len(self.strategy.answered(self.round.folded.keys()))
-            if done >= self._quorum() and (self._complete(done) or now >= self._deadline):
-                out += self._step(Event.COMPLETE, now)
-            elif now >= self._deadline:
-                return out + self._step(Event.SHORT, now)
-        return out + self._settle(now)
+        """The round's rule: it closes at quorum (--min-clients, and the strategy's) once everyone answered, M did
+        with --clients-per-round, or the deadline passed; once closed, the strategy's own stages and deadlines."""
+        if self.phase is Phase.CLOSING:
+            return self._close(now)
+        if self.phase is not Phase.COLLECTING:
+            return []
+        done = len(self.strategy.answered(self.round.folded.keys()))
+        if done >= self._quorum() and (self._complete(done) or now >= self._deadline):
+            return self._step(Event.COMPLETE, now)
+        return self._step(Event.SHORT, now) if now >= self._deadline else []
 
     def _quorum(self) -> int:
-        return max(self.config.rounds.min_clients, self.strategy.quorum)
+        return max(self.config.rounds.min_clients, self.strategy.terms.quorum)
 
     def _complete(self, done: int) -> bool:
         """Whether everyone the round waits for answered: every registered device, or M with selection."""
@@ -276,20 +283,19 @@ class RoundEngine:
         return self.registered.keys() <= answered or (
             self.selecting and done >= (self.config.selection.clients_per_round or 0))
 
-    def _verdict(self) -> Event | None:
-        """What the strategy says of the round now: it may be released, or its attempt failed."""
-        return Event.READY if self.strategy.ready else Event.FAILED if self.strategy.failed else None
-
-    def _settle(self, now: float) -> list[Outgoing]:
-        """Act on the strategy's verdict (after an update, a stage of its own, or a tick)."""
-        return self._step(self._verdict(), now)
+    def _settle(self, verdict: Verdict, now: float) -> list[Outgoing]:
+        """Act on the strategy's verdict (after an update, a message of its own, or its close): its messages, then
+        READY or FAILED's row of the table (Wait moves nothing)."""
+        self._state_dirty |= bool(verdict.out)
+        event = Event.READY if isinstance(verdict, Ready) else Event.FAILED if isinstance(verdict, Retry) else None
+        return verdict.out + self._step(event, now)
 
     def _close(self, now: float) -> list[Outgoing]:
-        return self.strategy.close(now)
+        return self._settle(self.strategy.close(now), now)
 
     def _reopen(self, now: float) -> list[Outgoing]:
         """A new attempt at the round: its deadline at least one round_timeout away, partial uploads dropped."""
-        self.strategy.open(self.round.number, self.model, finished=False)
+        self._open_strategy()
         self._deadline = max(self._deadline, now + self.config.rounds.round_timeout)
         self._intake.reassembler.discard()
         self._intake.new_attempt()
@@ -305,7 +311,7 @@ class RoundEngine:
         self._deadline = now + self.config.rounds.round_timeout
         log.warning("round %d: deadline passed with %d/%d %s, fewer than the %d it closes with: waiting %.1f s more "
                     "(extension %d)", self.round.number, len(self.strategy.answered(self.round.folded.keys())),
-                    self.invited_count, self.strategy.answers, self._quorum(), self.config.rounds.round_timeout,
+                    self.invited_count, self.strategy.terms.answers, self._quorum(), self.config.rounds.round_timeout,
                     self.round.extensions)
         self._state_dirty = True
         return [self._round_message()]
@@ -359,20 +365,21 @@ class RoundEngine:
             blob = self._intake.reassembler.add(device, chunk)
             if blob is None:
                 return []
-            folded, out = self.strategy.accept(device, blob.data, meta, now)
+            verdict = refusing(self.strategy.accept(device, "update", blob.data, meta, now))
         except Exception:  # refused as a whole blob: its other chunks are dropped, the device is answered once
             self._intake.refuse(device, chunk.blob_id)
             raise
-        if folded:
+        if isinstance(verdict, FoldedVerdict):
             self._folded(device, meta.n_samples, meta.metrics)
-        return out + self._settle(now)
+            verdict = verdict.then
+        return self._settle(verdict, now)
 
     def _check_round(self, device: str, meta: UpdateMeta) -> None:
         """Refuse an update its round does not take: accepted already, another round, not invited, another export."""
         if self._accepted(device, meta.round):
             raise Resent("duplicate_update" if meta.round == self.round.number else "late_update",
                          f"round {meta.round} update already accepted from {device}")
-        self.strategy.check(meta)  # the round it is for, its codec
+        refusing(self.strategy.check(meta))  # the round it is for, its codec
         if self.selecting and device not in self.round.invited:  # before reassembly: it costs no memory
             raise WireError("not_invited", f"{device} is not invited to round {meta.round}: wait for an "
                             f"invitation on {self.topics.invite(device)}")
@@ -394,17 +401,17 @@ class RoundEngine:
 
     def _on_strategy_message(self, kind: str, device: str, payload: bytes, now: float) -> list[Outgoing]:
         """A message on a topic kind of the strategy's own (secure aggregation's stages)."""
-        if kind not in self.strategy.kinds or self.finished:
+        if kind not in self.strategy.terms.kinds or self.finished:
             raise WireError(kind, f"this coordinator takes no {kind} messages (not in this mode, or the run is "
                             "finished)")
         if device not in self.registered:
             raise WireError("unknown_device", f"{device} has not registered: publish register/{device} first")
         if self.selecting and device not in self.round.invited:
             raise WireError("not_invited", f"{device} is not invited to round {self.round.number}")
-        out = self.strategy.on_message(device, kind, payload, now)
+        verdict = refusing(self.strategy.accept(device, kind, payload, None, now))
         self._invitations.answer(device)
         self._state_dirty = True  # at most one state message per state_interval
-        return out + self._settle(now)
+        return self._settle(verdict.then if isinstance(verdict, FoldedVerdict) else verdict, now)
 
     def _reject(self, device: str | None, code: str, message: str, now: float,
                 error: Exception | None = None, quiet: bool = False) -> list[Outgoing]:
@@ -455,18 +462,18 @@ class RoundEngine:
         """The strategy's model and figures for the closed round; the run goes on (NEXT) or ends (LAST)."""
         started = self._timer()
         closed = self.round
-        release = self.strategy.release(closed)
+        last = closed.number >= self.config.rounds.rounds
+        release = self.strategy.release(closed, last)  # a DP strategy accounts the round, adapts its clip norm
         if release.contributors is not None:  # known only now (a secure sum)
             closed.folded = release.contributors
             self.counters["accepted"] += len(closed.folded)
         self.model = {t.name: release.model[t.name].astype(t.dtype) for t in self.manifest.shared_tensors}
         record = round_record(closed, len(self.registered), self.selecting, now, collect_s=now - self._opened_at,
                               broadcast_s=self._broadcast_s, aggregate_s=self._timer() - started)
-        last = closed.number >= self.config.rounds.rounds
-        record.update(self.strategy.record(closed, last))  # a DP strategy then adapts its clip norm
+        record.update(release.figures)
         self._released = (closed, record)
         self._last_closed = (closed.number, frozenset(closed.folded))
-        return self._step(Event.LAST if last or self.strategy.stopped else Event.NEXT, now)
+        return self._step(Event.LAST if last or release.stop else Event.NEXT, now)
 
     def _open_next(self, now: float) -> list[Outgoing]:
         """The next round (or, finished, the final model): selected, written, checkpointed, then announced."""
@@ -478,7 +485,7 @@ class RoundEngine:
             carried = self._carried(closed)
             self._select(now, carried, closed.invited - carried.keys())
         self._model_file = self.outbox.write_tensors(f"model-r{closed.number + 1}.safetensors", self.model)
-        self.strategy.open(self.round.number, self.model, self.finished)
+        self._open_strategy()
         self._intake.new_round(self.finished, self._takes)
         if self.finished:
             self.outbox.write_tensors(FINAL_FILE, self.model)
@@ -492,18 +499,14 @@ class RoundEngine:
 
     def _carried(self, closed: RoundRecord) -> dict[str, int]:
         """The closed round's invitations not answered yet (its own and those it carried) whose round the next
-        round still takes updates for (Strategy.oldest_round): they stay, each with its round."""
-        oldest = self.strategy.oldest_round(closed.number + 1)
+        round still takes updates for (Terms.oldest_round): they stay, each with its round."""
+        oldest = self.strategy.terms.oldest_round(closed.number + 1)
         waiting = closed.invited - self.strategy.answered(closed.folded.keys())
         return {device: r for device in waiting if (r := closed.carried.get(device, closed.number)) >= oldest}
 
     def _takes(self, meta: UpdateMeta) -> bool:
         """Whether the open round still takes an update with this meta (a partial upload is kept for it)."""
-        try:
-            self.strategy.check(meta)
-        except WireError:
-            return False
-        return True
+        return self.strategy.check(meta) is None
 
     def _commit(self, registry: bool = False) -> None:
         """Make the open round current in state.json; with `registry`, first write the registry file if a
@@ -524,7 +527,7 @@ class RoundEngine:
     @property
     def dp_epsilon(self) -> float | None:
         """Epsilon spent by the rounds released so far (at --dp-delta); None without DP."""
-        return self.strategy.epsilon
+        return self.strategy.status().epsilon
 
     @property
     def blob_id(self) -> str:
@@ -535,7 +538,7 @@ class RoundEngine:
 
     def _round_message(self) -> Outgoing:
         return self._announcements.round_info(self.round.number, self.config.rounds.rounds, self.finished,
-                                              self._deadline, self.round.selected, self.strategy.round_fields())
+                                              self._deadline, self.round.selected, self._round_fields)
 
     def _invitation(self, device: str) -> Outgoing:
         return self._announcements.invitation(device, self.round.carried.get(device, self.round.number))
@@ -553,10 +556,16 @@ class RoundEngine:
             "min_clients": self.config.rounds.min_clients, "counters": dict(self.counters), "time": now,
             **({"invited": len(self.round.invited), "clients_per_round": self.config.selection.clients_per_round}
                if self.selecting else {}),
-            **self.strategy.state_fields(),
+            **self.strategy.status().fields,
         }
 
     def state_message(self, now: float) -> Outgoing:
         self._state_dirty, self._last_state = False, now
         return Outgoing(self.topics.state, json.dumps(self.state(now), separators=(",", ":")).encode(), retain=True)
 
+
+def refusing(verdict: Any) -> Any:
+    """The strategy's verdict, or its refusal raised as the WireError the device is answered with."""
+    if isinstance(verdict, Refused):
+        raise WireError(verdict.code, verdict.text)
+    return verdict
