@@ -5,7 +5,7 @@ arrive one at a time from untrusted devices, each stage with a deadline, checkin
 so that a bad one is refused (`secagg`) without costing another device its place. A device whose shares do
 not authenticate is reported by its neighbours and left out of the session; the session's groups (one, or
 several while the strategy narrows down a device whose input spoils the sum: `plan_groups`) are checked and
-released apart. The strategy that drives it is coordinator/strategies/secure.py. Stages, weights and
+released apart. The strategy that drives it is strategy.py beside this file. Stages, weights and
 distributed DP: docs/privacy.md ("Secure aggregation"); messages: docs/protocol.md, 6.9.
 """
 

@@ -9,7 +9,7 @@ the failed group are suspects, the next session splits them in halves (plan_grou
 others up to --secagg-min-group (a round too small for that leaves one suspect out, and a failure without it
 clears it); the suspects become those of a half that fails again, and a lone suspect is excluded from secure
 aggregation for the rest of the run (checkpointed). Meanwhile every group that passes is released, so
-training goes on. The stages and their messages: coordinator/secure_round.py, docs/privacy.md.
+training goes on. The stages and their messages: session.py beside this file, docs/privacy.md.
 """
 
 from __future__ import annotations
@@ -22,14 +22,6 @@ import numpy as np
 
 from fedper.coordinator.config import Aggregation, Privacy, Rounds, SecureAggregation, Selection
 from fedper.coordinator.logs import log
-from fedper.coordinator.secure_round import (
-    DistributedNoise,
-    GroupOutcome,
-    SecureRound,
-    SecureSettings,
-    flat_length,
-    new_session,
-)
 from fedper.coordinator.store import Folded as Contribution
 from fedper.coordinator.store import RoundRecord, Store
 from fedper.coordinator.strategies.base import (
@@ -46,6 +38,14 @@ from fedper.coordinator.strategies.base import (
     Wait,
 )
 from fedper.coordinator.strategies.budget import budget_for
+from fedper.coordinator.strategies.secure.session import (
+    DistributedNoise,
+    GroupOutcome,
+    SecureRound,
+    SecureSettings,
+    flat_length,
+    new_session,
+)
 from fedper.manifest import Manifest
 from fedper.payload import max_blob_size
 from fedper.secagg import load_root
