@@ -30,7 +30,7 @@ from fedper.coordinator.logs import DeviceLog, log
 from fedper.coordinator.machine import RoundMachine
 from fedper.coordinator.records import Saved, check_resumable, log_resumed
 from fedper.coordinator.registry import FleetView, Registry
-from fedper.coordinator.rounds import Phase, Step
+from fedper.coordinator.rounds import Phase
 from fedper.coordinator.store import Folded as Contribution
 from fedper.coordinator.store import Registration, RoundRecord
 from fedper.coordinator.strategies import strategy_for
@@ -53,8 +53,6 @@ class RoundEngine(RoundMachine):
         self.strategy = strategy_for(config, manifest, outbox, topics, FleetView(
             self._registry, config.selection.clients_per_round, lambda *args: self._invitations.drawn_from(*args)))
         self.round, self.phase = RoundRecord(1), Phase.COLLECTING
-        self._steps = {Step.CLOSE: self._close, Step.EXTEND: self._extend, Step.RELEASE: self._release,
-                       Step.OPEN: self._open_next, Step.REOPEN: self._reopen}
         self._released: tuple[RoundRecord, dict[str, Any]] | None = None  # between RELEASE and OPEN
         self._round_fields: dict[str, Any] = {}  # the strategy's RoundInfo fields for the open round
         self.bytes_sent = 0  # payload bytes the service published for this process (monitoring)

@@ -19,7 +19,7 @@ from fedper.coordinator.invitations import Invitations
 from fedper.coordinator.logs import log
 from fedper.coordinator.records import log_closed, round_record
 from fedper.coordinator.registry import Registry
-from fedper.coordinator.rounds import TRANSITIONS, Event, Phase, closing_event
+from fedper.coordinator.rounds import TRANSITIONS, Event, Phase, Step, closing_event
 from fedper.coordinator.store import BACKOFF_PREFIX, FINAL_FILE, CoordinatorState, RoundRecord
 from fedper.coordinator.strategies.base import Opened, Ready, Retry, Strategy, Verdict
 from fedper.manifest import Manifest
@@ -85,7 +85,9 @@ class RoundMachine:
         if event is None:
             return []
         self.phase, steps = TRANSITIONS.get((self.phase, event), (self.phase, ()))
-        return [message for step in steps for message in self._steps[step](now)]
+        run = {Step.CLOSE: self._close, Step.EXTEND: self._extend, Step.RELEASE: self._release,
+               Step.OPEN: self._open_next, Step.REOPEN: self._reopen}
+        return [message for step in steps for message in run[step](now)]
 
     def _advance(self, now: float) -> list[Outgoing]:
         """Collecting: the engine's closing rule (rounds.closing_event); closing: the strategy's own stages."""
@@ -94,7 +96,7 @@ class RoundMachine:
         if self.phase is not Phase.COLLECTING:
             return []
         answered = self.strategy.answered(self.round.folded.keys())
-        everyone = self.registered.keys() <= answered or (
+        everyone = self._registry.registered.keys() <= answered or (
             self.selecting and len(answered) >= (self.config.selection.clients_per_round or 0))
         return self._step(closing_event(len(answered), self._quorum(), everyone, now, self._deadline), now)
 
@@ -138,10 +140,11 @@ class RoundMachine:
         release = self.strategy.release(closed, last)  # a DP strategy accounts the round, adapts its clip norm
         if release.contributors is not None:  # known only now (a secure sum)
             closed.folded = release.contributors
-            self.counters["accepted"] += len(closed.folded)
+            self._inputs.counters["accepted"] += len(closed.folded)
         self.model = {t.name: release.model[t.name].astype(t.dtype) for t in self.manifest.shared_tensors}
-        record = round_record(closed, len(self.registered), self.selecting, now, collect_s=now - self._opened_at,
-                              broadcast_s=self._broadcast_s, aggregate_s=self._timer() - started)
+        record = round_record(closed, len(self._registry.registered), self.selecting, now,
+                              collect_s=now - self._opened_at, broadcast_s=self._broadcast_s,
+                              aggregate_s=self._timer() - started)
         self._released = (closed, record | release.figures)
         self._inputs.closed(closed, closed.folded.keys())
         return self._step(Event.LAST if last or release.stop else Event.NEXT, now)
@@ -183,7 +186,7 @@ class RoundMachine:
         if registry:
             self._registry.write(self.outbox)
             self._invitations.write(lambda misses: self.outbox.write_registry(misses, BACKOFF_PREFIX))
-        state = CoordinatorState(self.digest, self._model_file, self.round, self.counters, self.finished,
+        state = CoordinatorState(self.digest, self._model_file, self.round, self._inputs.counters, self.finished,
                                  self._registry.file, self.strategy.checkpoint(),
                                  backoff=self._invitations.backoff_file, fleet=self.topics.fleet)
         self.outbox.commit(state.to_json())
@@ -193,7 +196,7 @@ class RoundMachine:
     def _select(self, now: float, carried: Mapping[str, int] | None = None, released: Iterable[str] = ()) -> None:
         self._invitations.select(self.round, now, carried, released)
         log.info("round %d: invited %d of %d device(s) online", self.round.number, len(self.round.invited),
-                 len(self.online))
+                 len(self._registry.online))
 
     def _top_up(self, now: float) -> list[Outgoing]:
         """More invitations while fewer than ceil(F * M) are live: checkpointed before they go out."""
