@@ -25,7 +25,8 @@ from fedper.coordinator.effects import (
     WriteSlot,
     WriteTensors,
 )
-from fedper.coordinator.engine import RoundEngine, Saved
+from fedper.coordinator.engine import RoundEngine
+from fedper.coordinator.records import Saved
 from fedper.coordinator.store import CoordinatorState, Store
 from fedper.manifest import Manifest
 from fedper.wire import Outgoing, Topics

@@ -17,15 +17,14 @@ from typing import Any, Protocol
 from fedper.coordinator.config import Config
 from fedper.coordinator.logs import DeviceLog, log
 from fedper.coordinator.store import RoundRecord
+from fedper.coordinator.strategies.base import Terms
 from fedper.selection import Backoff, Ranking, check_seed, invitations, new_seed, sit_out_rounds
 
 
 class Places(Protocol):
     """What the run's strategy says about invitations (coordinator/strategies/base.py)."""
 
-    rerank_each_round: bool
-
-    def places(self, live: Set[str], folded: Set[str]) -> Set[str]: ...
+    terms: Terms
 
     def answered(self, folded: Set[str]) -> Set[str]: ...
 
@@ -65,9 +64,9 @@ class Invitations:
         `carried` from earlier rounds; `released`: the earlier round's invitations that end with it. The caller
         checkpoints it. Fewer than ceil(F * M) of them: `top_up` invites more as they come online or lapse."""
         r.selected, r.invite_cap, r.seed, r.carried = True, self._cap, self._seed, dict(carried or {})
-        room = max(0, r.invite_cap - len(self._strategy.places(r.carried.keys(), set())))
+        room = max(0, r.invite_cap - len(self._strategy.terms.places(r.carried.keys(), set())))
         r.invited = set(r.carried)
-        if self._strategy.rerank_each_round:  # every device is ranked with this round's key: select()'s rule
+        if self._strategy.terms.rerank_each_round:  # every device is ranked with this round's key: select()'s rule
             self._ranking.clear()
             self._ranking.offer(self._available, r.number)
         else:  # the ranking knows the rest: candidates again are those released and those whose sit-out may end
@@ -120,7 +119,7 @@ class Invitations:
         """Invite eligible devices not invited yet, next in the seeded ranking, while fewer than ceil(F * M)
         invitations are live (not lapsed); the caller checkpoints them before the invitations go out, so a
         restart re-sends the same ones."""
-        room = r.invite_cap - len(self._strategy.places(r.invited - self.lapsed, r.folded.keys()))
+        room = r.invite_cap - len(self._strategy.terms.places(r.invited - self.lapsed, r.folded.keys()))
         chosen = self._ranking.take(room, self._eligible(r)) if room > 0 else []
         if chosen:
             r.invited.update(chosen)

@@ -4,12 +4,23 @@ and resumes (docs/reliability.md says what a restart keeps)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from fedper.coordinator.logs import log
 from fedper.coordinator.store import CoordinatorState, RoundRecord
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A state directory's checkpoint as the shell read it: state.json and the files it names."""
+
+    state: CoordinatorState
+    model: Mapping[str, np.ndarray]
+    registry: Mapping[str, Any]
+    backoff: Mapping[str, Any] | None
 
 
 def round_record(closed: RoundRecord, registered: int, selecting: bool, now: float, *, collect_s: float,

@@ -7,13 +7,13 @@ registered and online (`available`) are kept from the messages themselves: no O(
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Set
 from typing import Any, Protocol
 
 import numpy as np
 
 from fedper.coordinator.logs import log
-from fedper.coordinator.store import Registration
+from fedper.coordinator.store import Registration, RoundRecord
 from fedper.wire import Register, WireError
 
 ONLINE_BURST, ONLINE_WINDOW_S = 4, 120.0  # a device saying `online` this often this quickly is said: two with one id?
@@ -104,6 +104,34 @@ class Registry:
             log.warning("device %s came online %d times in %.0f s: are two agents running with --client-id %s? "
                         "Each connect takes the connection over from the other (or its network keeps dropping); "
                         "give each device its own id", device, count, now - first, device)
+
+
+class FleetView:
+    """What a strategy may know of the fleet (strategies.base.Fleet): who is registered, and how rounds are sized
+    (`drawn_from(invited, round)`: how many devices a round's invitations were drawn from)."""
+
+    def __init__(self, registry: Registry, clients_per_round: int | None,
+                 drawn_from: Callable[[Set[str], int], int]) -> None:
+        self._registry, self._m, self._drawn_from = registry, clients_per_round, drawn_from
+
+    @property
+    def registered(self) -> Mapping[str, Registration]:
+        return self._registry.registered
+
+    def round_size(self) -> int:
+        """The updates a round closes at: M with --clients-per-round, else every registered device; DP-FedAvg's
+        data-independent denominator m, whoever actually answered."""
+        return max(1, self._m or len(self._registry.registered))
+
+    def invited_fraction(self, closed: RoundRecord) -> float:
+        """The accountant's q: with --clients-per-round, invited / the devices they were drawn from (eligible now
+        or invited), sampled without replacement (docs/privacy.md); else 1."""
+        if self._m is None:
+            return 1.0
+        return min(1.0, max(len(closed.invited), 1) / max(self._drawn_from(closed.invited, closed.number), 1))
+
+    def median_samples(self) -> float | None:
+        return self._registry.median_samples()
 
 
 def registration(payload: bytes, digest: str, max_samples: int) -> Registration:

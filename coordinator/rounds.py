@@ -46,3 +46,12 @@ TRANSITIONS: dict[tuple[Phase, Event], tuple[Phase, tuple[Step, ...]]] = {
     (P.RELEASING, E.NEXT): (P.COLLECTING, (S.OPEN,)),
     (P.RELEASING, E.LAST): (P.FINISHED, (S.OPEN,)),
 }
+
+
+def closing_event(answered: int, quorum: int, everyone: bool, now: float, deadline: float) -> Event | None:
+    """The engine's rule while collecting: COMPLETE at quorum (--min-clients, and the strategy's) once everyone
+    (every registered device, or M with --clients-per-round) answered or the deadline passed; SHORT when the
+    deadline passed below quorum."""
+    if answered >= quorum and (everyone or now >= deadline):
+        return Event.COMPLETE
+    return Event.SHORT if now >= deadline else None

@@ -49,7 +49,7 @@ def run_service(
     client = make_client(f"fedper-coordinator-{topics.fleet}", protocol=protocol, username=username,
                          password=password, tls=broker.tls, tls_ca=tls_ca, will=(topics.state, offline),
                          manual_ack=True)
-    subscriptions = [(f"{topics.base}/{kind}/+", 1) for kind in coordinator.strategy.kinds]
+    subscriptions = [(f"{topics.base}/{kind}/+", 1) for kind in coordinator.strategy.terms.kinds]
     started = False
     broadcast = _Broadcast()
     linger_until = None  # once finished: when to stop waiting for the devices online to go

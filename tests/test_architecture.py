@@ -11,8 +11,8 @@ with `ast` (nothing is imported, so lazy imports inside functions and TYPE_CHECK
 - the agent's engine (edge/engine.py) does no I/O: it imports no training backend, no MQTT client and
   nothing that reads or writes files or runs processes (the state directory's writer included), and calls
   no file method; its jobs are done by edge/agent.py.
-- the coordinator's engine (coordinator/engine.py) and its parts (rounds, registry, intake, invitations,
-  announcements, records) do no I/O either and read no clock: they import no MQTT client, not the state
+- the coordinator's engine (coordinator/engine.py) and its parts (machine, rounds, registry, intake, invitations,
+  inputs, announcements, records) do no I/O either and read no clock: they import no MQTT client, not the state
   directory's `Store`, the shell that carries out their effects (coordinator/durable.py) nor `time`, and call
   no file method.
 
@@ -58,8 +58,9 @@ FORBIDDEN = {
                            "onnxruntime", "torch", "os", "io", "pathlib", "shutil", "subprocess", "tempfile", "socket"),
 }
 # the coordinator's engine and the parts it is made of (docs/architecture.md): no I/O, no clock
-COORDINATOR_PURE = tuple(f"fedper.coordinator.{name}" for name in ("engine", "rounds", "registry", "intake",
-                                                                    "invitations", "announcements", "records"))
+COORDINATOR_PURE = tuple(f"fedper.coordinator.{name}" for name in ("engine", "machine", "rounds", "registry",
+                                                                    "intake", "inputs", "invitations",
+                                                                    "announcements", "records"))
 FORBIDDEN |= {module: ("fedper.coordinator.store.Store", "fedper.coordinator.durable", "fedper.coordinator.service",
                        "fedper.coordinator.cli", "fedper.coordinator.web", "fedper.coordinator.broker", "fedper.mqtt",
                        "fedper.checkpoint", "paho", "time", "os", "io", "pathlib", "shutil", "subprocess", "tempfile",

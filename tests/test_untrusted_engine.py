@@ -446,9 +446,11 @@ def hostile(draw: st.DrawFn, blob_id: str) -> tuple[str, str, bytes, Any, bool]:
     m = meta(EVIL_N)
     m.update(draw(st.dictionaries(META_KEYS, JSON, max_size=2)))
     overrides = draw(st.dictionaries(HEADER_KEYS, JSON | EXTREME_INTS, max_size=2))
-    frames = chunks(blob, m, blob_id, draw(st.sampled_from([4096, 64])), overrides)
-    payload = frames[draw(st.integers(0, len(frames) - 1))]
-    return "update", device, payload, to_json(overrides.get("blob_id", blob_id)), len(frames) > 1 and not overrides
+    size = draw(st.sampled_from([4096, 64]))
+    frames = chunks(blob, m, blob_id, size, overrides)
+    index = draw(st.integers(0, len(frames) - 1))
+    well_formed = frames[index] == chunks(blob, m, blob_id, size, {})[index]  # no override changed this one
+    return "update", device, frames[index], to_json(overrides.get("blob_id", blob_id)), len(frames) > 1 and well_formed
 
 
 def test_hostile_frames_never_raise_are_answered_and_leave_the_honest_update_exact() -> None:

@@ -1,23 +1,32 @@
 """What the engine does with updates, behind one small interface (docs/architecture.md, "Aggregation strategies").
 
-The engine keeps devices, rounds, selection and deadlines; a strategy folds what devices send and
-releases the round's model. A strategy reads the engine only through `Fleet`, so it may not import
-the engine or the service (tests/test_architecture.py).
+The engine keeps devices, rounds, selection and deadlines; a strategy folds what devices send and releases the
+round's model. In the spirit of Flower's `Strategy`, it has eight hooks, and each answers in a value (a verdict,
+the released model, its figures) that the engine acts on at once: there is no flag for the engine to read
+afterwards. What the engine must know of it for the whole run (its topic kinds, its quorum, its upload size,
+how long its invitations live) is declared once, as `Terms`. A strategy is built from the whole of each config
+group it declares (`groups`), so no option is picked, or dropped, on the way (tests/test_strategy_options.py).
+A strategy reads the engine only through `Fleet`, so it may not import the engine or the service
+(tests/test_architecture.py).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Set
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from fedper.coordinator.store import Folded, Registration, RoundRecord, Store
+from fedper.coordinator.config import Config
+from fedper.coordinator.store import Folded as Contribution
+from fedper.coordinator.store import Registration, RoundRecord, Store
 from fedper.manifest import Manifest
 from fedper.payload import max_blob_size
-from fedper.wire import Outgoing, Topics, UpdateMeta, WireError
+from fedper.wire import Outgoing, Topics, UpdateMeta
+
+ENGINE_KINDS = ("register", "presence", "update")  # the topic kinds every run takes from devices
 
 
 class Fleet(Protocol):
@@ -42,115 +51,158 @@ def weight_cap(fleet: Fleet, max_weight_ratio: float) -> float:
 
 
 @dataclass(frozen=True)
-class Release:
-    """A closed round's model, and the devices it holds when only the strategy knows them (a secure sum)."""
+class Terms:
+    """What the engine knows of a strategy for the whole run, declared when it is built."""
+
+    upload_size: int  # the largest update blob an honest device sends (the upload quotas are sized on it)
+    kinds: tuple[str, ...] = ENGINE_KINDS  # the topic kinds devices may write
+    answers: str = "update(s)"  # what `answered` counts, for the log
+    quorum: int = 1  # fewest answers a round may close with (the engine also applies --min-clients)
+    staleness: int = 0  # while round k is open, updates for rounds k - staleness .. k are taken (invitations live)
+    folded_frees_place: bool = False  # a device whose update was folded gives its --clients-per-round place up
+    rerank_each_round: bool = True  # a round's selection ranks every device anew (False: fedper.selection.Ranking's
+    # devices keep their keys until invited, so that a version released every few updates costs no key a device)
+
+    def oldest_round(self, number: int) -> int:
+        """The oldest round whose updates are taken while round `number` is open: an invitation to an earlier round
+        not answered when `number` opens stays live if its round is not older."""
+        return max(1, number - self.staleness)
+
+    def places(self, live: Set[str], folded: Set[str]) -> Set[str]:
+        """Of the open round's live invitations, those that hold one of its --clients-per-round places."""
+        return live - folded if self.folded_frees_place else live
+
+
+# ------------------------------------------------------------ verdicts
+
+
+@dataclass(frozen=True)
+class Wait:
+    """The round goes on; `out`: messages to publish."""
+
+    out: list[Outgoing] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The round may be released now (the engine calls `release`)."""
+
+    out: list[Outgoing] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Retry:
+    """This attempt at the round failed (a secure sum without enough shares): the engine opens it again."""
+
+    out: list[Outgoing] = field(default_factory=list)
+
+
+Verdict = Wait | Ready | Retry
+
+
+@dataclass(frozen=True)
+class Folded:
+    """`accept`: the update joined the round and is checkpointed; `then`: what the round may do now."""
+
+    then: Verdict = field(default_factory=Wait)
+
+
+@dataclass(frozen=True)
+class Refused:
+    """`check`, `accept`: not taken, with the code the device is answered with (a WireError raised while
+    decoding is a refusal too)."""
+
+    code: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Opened:
+    """`open`: the round's extra RoundInfo fields; `stopped`: a resumed run may open no further round (a budget)."""
+
+    fields: dict[str, Any] = field(default_factory=dict)
+    stopped: bool = False
+
+
+@dataclass(frozen=True)
+class Released:
+    """`release`: the round's model, its figures for metrics.jsonl, whether the run stops after it (a privacy
+    budget), and the devices it holds when only the strategy knows them (a secure sum)."""
 
     model: dict[str, np.ndarray]
-    contributors: dict[str, Folded] | None = None
+    figures: dict[str, Any] = field(default_factory=dict)
+    stop: bool = False
+    contributors: dict[str, Contribution] | None = None
+
+
+@dataclass(frozen=True)
+class Status:
+    """`status`: the state message's entries of the strategy, and the epsilon spent so far (None without DP)."""
+
+    fields: dict[str, Any] = field(default_factory=dict)
+    epsilon: float | None = None
 
 
 class Strategy:
     """Accept updates, say when the round may close and release it, checkpoint and resume its own state.
 
-    The round's life: `open`, then `accept` per reassembled update (and `on_message` for the strategy's
-    own topics); the engine closes collection by its rule over `answered()` (quorum, M, deadline) and calls
-    `close`; once `ready`, `release` gives the model and `record` its figures; `failed` asks the engine to
-    open the round again. `checkpoint()` is the strategy's part of state.json, given back to `resume`."""
+    The round's life: `open`, then `check` per upload's first chunk and `accept` per reassembled update (or
+    message on the strategy's own topic kinds); the engine closes collection by its rule over `answered`
+    (quorum, M, deadline) and calls `close` (again at each tick while it says Wait: its own stages' deadlines);
+    at Ready, `release`. `checkpoint()` is the strategy's part of state.json, given back to `open` at a restart;
+    `status()` what the state message shows."""
 
-    kinds: ClassVar[tuple[str, ...]] = ("register", "presence", "update")  # the topic kinds devices may write
-    answers: ClassVar[str] = "update(s)"  # what `answered` counts, for the log
-    quorum: ClassVar[int] = 1  # fewest answers a round may close with (the engine also applies --min-clients)
-    private = False  # its checkpoint holds a privacy part (a run may not switch mode)
-    rerank_each_round = True  # a round's selection ranks every device anew (False: fedper.selection.Ranking's
-    # devices keep their keys until invited, so that a version released every few updates costs no key a device)
+    groups: ClassVar[tuple[str, ...]] = ()  # the config groups it is built from (coordinator/config.py, GROUPS)
 
-    def __init__(self, manifest: Manifest, store: Store, topics: Topics, fleet: Fleet) -> None:
+    def __init__(self, manifest: Manifest, store: Store, topics: Topics, fleet: Fleet, terms: Terms | None = None,
+                 private: bool = False) -> None:
         self.manifest, self.store, self.topics, self.fleet = manifest, store, topics, fleet
-        self.collecting = True  # the engine's closing rule applies; False once `close` ran
-        self.ready = False  # the round may be released
-        self.failed = False  # the round's attempt failed: the engine opens it again
-        self.stopped = False  # after `record`: no further round may open (a privacy budget)
+        self.terms = terms or Terms(max_blob_size(manifest))
+        self.private = private  # its checkpoint holds a privacy part (a run may not switch mode)
 
-    # ------------------------------------------------------------ the round
+    @classmethod
+    def build(cls, config: Config, manifest: Manifest, store: Store, topics: Topics, fleet: Fleet) -> Strategy:
+        """The strategy over the whole of each config group it declares, passed by the group's name."""
+        return cls(manifest, store, topics, fleet, **{name: getattr(config, name) for name in cls.groups})
 
-    def open(self, number: int, model: Mapping[str, np.ndarray], finished: bool) -> None:
-        """Start collecting round `number` over `model` (`finished`: the run is over, nothing is collected)."""
-        self.number, self.model = number, model
-        self.collecting, self.ready, self.failed = True, False, False
+    def open(self, round_: RoundRecord, model: Mapping[str, np.ndarray], finished: bool,
+             saved: Mapping[str, Any] | None = None) -> Opened:
+        """Start collecting round `round_` over `model` (`finished`: the run is over, nothing is collected);
+        `saved`: this strategy's `checkpoint()` of an earlier run, resumed in that round."""
+        if saved is not None and (saved.get("privacy") is not None) != self.private:
+            raise ValueError(f"{self.store.dir} holds a run {'without' if self.private else 'with'} differential "
+                             f"privacy: resume it with the same mode, or use a fresh --state-dir")
+        self.number, self.model = round_.number, model
+        return Opened()
 
-    def check(self, meta: UpdateMeta) -> None:
-        """Refuse (WireError) an update that this strategy cannot take, before it is reassembled."""
+    def check(self, meta: UpdateMeta) -> Refused | None:
+        """Refuse an update that this strategy cannot take, before it is reassembled."""
         if meta.round != self.number:
-            raise WireError("late_update", f"update for round {meta.round}, but round {self.number} is open")
+            return Refused("late_update", f"update for round {meta.round}, but round {self.number} is open")
+        return None
 
-    def accept(self, device: str, blob: bytes, meta: UpdateMeta, now: float) -> tuple[bool, list[Outgoing]]:
-        """A reassembled update, all or nothing: whether it was folded (and checkpointed), and what to send."""
-        raise NotImplementedError
-
-    def on_message(self, device: str, kind: str, payload: bytes, now: float) -> list[Outgoing]:
-        """A message on one of the strategy's own topic kinds (beyond the engine's)."""
-        raise WireError(kind, f"this coordinator takes no {kind} messages")
-
-    def oldest_round(self, number: int) -> int:
-        """The oldest round whose updates `check` takes while round `number` is open: an invitation to an
-        earlier round that is not answered when `number` opens stays live if its round is not older (default:
-        the open round only, so a synchronous round's invitations end with it)."""
-        return number
-
-    def places(self, live: Set[str], folded: Set[str]) -> Set[str]:
-        """Of the open round's live invitations, those that hold one of its --clients-per-round places (`folded`:
-        the devices whose update was accepted). Default: all, a round making that many invitations in all."""
-        return live
+    def accept(self, device: str, kind: str, payload: bytes, meta: UpdateMeta | None,
+               now: float) -> Folded | Verdict | Refused:
+        """All or nothing: a reassembled update (`kind` "update", `meta` its checked meta) or a message on one of
+        the strategy's own topic kinds (`meta` None). A verdict that is not `Folded`: taken, nothing folded."""
+        return Refused(kind, f"this coordinator takes no {kind} messages")
 
     def answered(self, folded: Set[str]) -> Set[str]:
         """The devices that count toward closing the round; `folded`: those whose update was accepted."""
         return folded
 
-    def close(self, now: float) -> list[Outgoing]:
-        """The engine's rule closed collection (quorum, and everyone, M or the deadline)."""
-        self.collecting, self.ready = False, True
-        return []
+    def close(self, now: float) -> Verdict:
+        """The engine's rule closed collection (quorum, and everyone, M or the deadline); asked again at each tick
+        while the answer is Wait."""
+        return Ready()
 
-    def tick(self, now: float) -> list[Outgoing]:
-        """The strategy's own deadlines."""
-        return []
-
-    def release(self, closed: RoundRecord) -> Release:
+    def release(self, closed: RoundRecord, last: bool) -> Released:
+        """The closed round's model and figures (`last`: no round follows it)."""
         raise NotImplementedError
 
-    def record(self, closed: RoundRecord, last: bool) -> dict[str, Any]:
-        """Figures of the released round for metrics.jsonl (and `stopped`)."""
-        return {}
-
-    # ------------------------------------------------------------ what it publishes
-
-    def upload_size(self) -> int:
-        """The largest update blob an honest device sends (the upload quotas are sized on it)."""
-        return max_blob_size(self.manifest)
-
-    def round_fields(self) -> dict[str, Any]:
-        """Extra RoundInfo fields."""
-        return {}
-
-    def state_fields(self) -> dict[str, Any]:
-        """Extra entries of the state message."""
-        return {}
-
-    @property
-    def epsilon(self) -> float | None:
-        """Epsilon spent by the rounds released so far; None without differential privacy."""
-        return None
-
-    # ------------------------------------------------------------ checkpoint
+    def status(self) -> Status:
+        return Status()
 
     def checkpoint(self) -> dict[str, Any]:
         """The strategy's part of state.json (JSON, tensor files by name)."""
         return {"privacy": None}
-
-    def resume(self, part: Mapping[str, Any], round_: RoundRecord, model: Mapping[str, np.ndarray],
-               finished: bool) -> None:
-        """Pick up `checkpoint()`'s part of an earlier run, in open round `round_` over `model`."""
-        if (part.get("privacy") is not None) != self.private:
-            raise ValueError(f"{self.store.dir} holds a run {'without' if self.private else 'with'} differential "
-                             f"privacy: resume it with the same mode, or use a fresh --state-dir")
-        self.number, self.model = round_.number, model

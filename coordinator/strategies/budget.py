@@ -11,6 +11,7 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
+from fedper.coordinator.config import Privacy
 from fedper.coordinator.logs import log
 from fedper.privacy import AdaptiveClipping, PrivacyAccountant, budget_action
 
@@ -18,6 +19,21 @@ from fedper.privacy import AdaptiveClipping, PrivacyAccountant, budget_action
 def json_epsilon(epsilon: float) -> float | None:
     """Epsilon for JSON (metrics.jsonl, the state topic): null when unbounded (a noise multiplier of 0)."""
     return epsilon if math.isfinite(epsilon) else None
+
+
+def budget_for(privacy: Privacy, clip_norm: float | None, clients_per_round: int | None,
+               buffered: bool = False) -> PrivacyBudget | None:
+    """The run's DP state, a fresh secret (a resumed run replaces it with its own); None without DP. Sampling is
+    fixed with M of the online devices (--clients-per-round), or every device in every version (`buffered`), each
+    replace-one; else Poisson (docs/privacy.md)."""
+    if privacy.noise_multiplier is None:
+        return None
+    fixed = clients_per_round is not None or buffered
+    budget = PrivacyBudget(privacy.noise_multiplier, privacy.delta, privacy.target_epsilon, privacy.budget_action,
+                           float(clip_norm or 0), privacy.adaptive_quantile, sampling="fixed" if fixed else "poisson")
+    if not clients_per_round or buffered:
+        budget.check_first_round()
+    return budget
 
 
 class PrivacyBudget:

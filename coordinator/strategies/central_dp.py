@@ -7,33 +7,43 @@ one checked against the budget (docs/privacy.md).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from fedper.coordinator.config import Aggregation, Privacy, Selection
 from fedper.coordinator.store import RoundRecord, Store
-from fedper.coordinator.strategies.base import Fleet, Release
-from fedper.coordinator.strategies.budget import PrivacyBudget
+from fedper.coordinator.strategies.base import Fleet, Folded, Opened, Refused, Released, Status
+from fedper.coordinator.strategies.budget import budget_for
 from fedper.coordinator.strategies.mean import Mean
 from fedper.manifest import Manifest
 from fedper.privacy import DPFedAvg, prepare_release, private_tensor_names, round_generator
-from fedper.wire import Outgoing, Topics, UpdateMeta
+from fedper.wire import Topics, UpdateMeta
 
 
 class CentralDP(Mean):
     """DP-FedAvg in place of the mean; the rule clips (the trainable tensors), so no --clip-norm clip before."""
 
-    private = True
+    groups = ("aggregation", "privacy", "selection")
 
-    def __init__(self, manifest: Manifest, store: Store, topics: Topics, fleet: Fleet, budget: PrivacyBudget) -> None:
-        super().__init__(manifest, store, topics, fleet)
+    def __init__(self, manifest: Manifest, store: Store, topics: Topics, fleet: Fleet, aggregation: Aggregation,
+                 privacy: Privacy, selection: Selection) -> None:
+        super().__init__(manifest, store, topics, fleet, aggregation, private=True)
+        budget = budget_for(privacy, aggregation.clip_norm, selection.clients_per_round)
+        assert budget is not None, "central DP runs with --dp-noise-multiplier"
         self.budget = budget
+        self.max_weight_ratio = math.inf  # DP-FedAvg's weights are uniform: no n_j to cap
         self.partial_meta: dict[str, Any] | None = None  # the rule's meta when its partial sums were written
 
-    def open(self, number: int, model: Mapping[str, np.ndarray], finished: bool) -> None:
-        super().open(number, model, finished)
+    def open(self, round_: RoundRecord, model: Mapping[str, np.ndarray], finished: bool,
+             saved: Mapping[str, Any] | None = None) -> Opened:
+        """Resumed: the budget first (the round's rule draws its noise from the run's secret)."""
         self.partial_meta = None
+        if saved is not None and saved.get("privacy") is not None:
+            self.budget.resume(saved["privacy"])
+        return Opened(super().open(round_, model, finished, saved).fields, self.budget.stopped)
 
     def _new_rule(self) -> DPFedAvg:
         """This round's rule: its noise comes from the run's secret and the round number."""
@@ -48,48 +58,36 @@ class CentralDP(Mean):
     def _prepared(self, tensors: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
         return tensors
 
-    def accept(self, device: str, blob: bytes, meta: UpdateMeta, now: float) -> tuple[bool, list[Outgoing]]:
+    def accept(self, device: str, kind: str, payload: bytes, meta: UpdateMeta | None,
+               now: float) -> Folded | Refused:
         partial = self.partial
-        result = super().accept(device, blob, meta, now)
+        result = super().accept(device, kind, payload, meta, now)
         if self.partial != partial:
             self.partial_meta = self.rule.meta()
         return result
 
-    def release(self, closed: RoundRecord) -> Release:
-        """The closing round's denominator m and adaptive clipping's split of z (fedper.privacy.prepare_release)."""
+    def release(self, closed: RoundRecord, last: bool) -> Released:
+        """The closing round's denominator m and adaptive clipping's split of z (fedper.privacy.prepare_release);
+        the round accounted, and the next one checked against the budget."""
         prepare_release(self.rule, float(self.fleet.round_size()), self.budget.noise_multiplier,
                         self.budget.clipping)
-        return super().release(closed)
-
-    def record(self, closed: RoundRecord, last: bool) -> dict[str, Any]:
+        model = super().release(closed, last).model
         rule = self.rule
         release = {"clip_norm": rule.clip_norm, "noise_std": rule.noise_std, "expected": rule.expected_weight,
                    "unclipped": rule.unclipped, "count": rule.count}
         figures = self.budget.account(closed.number, self.fleet.invited_fraction(closed), self.budget.noise_multiplier,
                                       release, len(self.fleet.registered), last)
-        self.stopped = self.budget.stopped
         if self.budget.clipping is not None:  # the count's noise comes from the round's generator, after the model's
             figures["next_clip_norm"] = self.budget.clipping.step(rule.unclipped, rule.count, rule.expected_weight,
                                                                   rule.rng)
-        return {"dp": figures}
+        return Released(model, {"dp": figures}, self.budget.stopped)
 
-    @property
-    def epsilon(self) -> float | None:
-        return self.budget.epsilon
-
-    def state_fields(self) -> dict[str, Any]:
-        return {"dp": self.budget.summary()}
+    def status(self) -> Status:
+        return Status({"dp": self.budget.summary()}, self.budget.epsilon)
 
     def checkpoint(self) -> dict[str, Any]:
         return {**super().checkpoint(), "privacy": {**self.budget.checkpoint(),
                                                     "partial_meta": self.partial_meta if self.partial else None}}
-
-    def resume(self, part: Mapping[str, Any], round_: RoundRecord, model: Mapping[str, np.ndarray],
-               finished: bool) -> None:
-        if part.get("privacy") is not None:
-            self.budget.resume(part["privacy"])
-            self.stopped = self.budget.stopped
-        super().resume(part, round_, model, finished)
 
     def _resumed(self, sums: dict[str, np.ndarray], part: Mapping[str, Any], round_: RoundRecord) -> DPFedAvg:
         self.partial_meta = part["privacy"]["partial_meta"]

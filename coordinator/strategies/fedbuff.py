@@ -21,21 +21,34 @@ blobs folded since, as received, in slot files. A restart folds them again, in o
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Set
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from fedper.buffered import Buffer, BufferConfig, Refused, Release, base_delta
+from fedper import buffered
+from fedper.buffered import Buffer, BufferConfig, base_delta
+from fedper.coordinator.config import Aggregation, Asynchronous, Privacy
 from fedper.coordinator.store import RoundRecord, Store
-from fedper.coordinator.strategies import base
-from fedper.coordinator.strategies.base import Fleet, Strategy, weight_cap
-from fedper.coordinator.strategies.budget import PrivacyBudget
+from fedper.coordinator.strategies.base import (
+    Fleet,
+    Folded,
+    Opened,
+    Ready,
+    Refused,
+    Released,
+    Status,
+    Strategy,
+    Terms,
+    Wait,
+    weight_cap,
+)
+from fedper.coordinator.strategies.budget import budget_for
 from fedper.coordinator.strategies.mean import PARTIAL_EVERY
 from fedper.manifest import Manifest
-from fedper.payload import decode_shared
+from fedper.payload import decode_shared, max_blob_size
 from fedper.privacy import private_tensor_names, round_generator
-from fedper.wire import SECAGG_CODEC, Outgoing, Topics, UpdateMeta, WireError
+from fedper.wire import SECAGG_CODEC, Topics, UpdateMeta, WireError
 
 REFUSALS = {"too_stale": "stale_update", "unknown_version": "late_update", "duplicate": "duplicate_update"}
 CACHED_VERSIONS = 4  # models of older versions kept in memory for the stale deltas to come
@@ -44,13 +57,18 @@ CACHED_VERSIONS = 4  # models of older versions kept in memory for the stale del
 class FedBuff(Strategy):
     """Staleness-weighted deltas in a buffer of K; a version released per K folds."""
 
-    answers = "buffered update(s)"
-    rerank_each_round = False  # a version every K updates: ranking the fleet at each would cost O(N / K) an update
+    groups = ("asynchronous", "aggregation", "privacy")
 
-    def __init__(self, manifest: Manifest, store: Store, topics: Topics, fleet: Fleet, config: BufferConfig,
-                 max_weight_ratio: float = math.inf, budget: PrivacyBudget | None = None) -> None:
-        super().__init__(manifest, store, topics, fleet)
-        self.budget, self.private = budget, budget is not None
+    def __init__(self, manifest: Manifest, store: Store, topics: Topics, fleet: Fleet, asynchronous: Asynchronous,
+                 aggregation: Aggregation, privacy: Privacy) -> None:
+        config = asynchronous.buffer_config(aggregation.clip_norm, aggregation.aggregator)
+        # the engine's closing rule never closes a buffer (its quorum is K): its K-th fold does; a version every K
+        # updates: ranking the fleet at each would cost O(N / K) an update
+        terms = Terms(max_blob_size(manifest), answers="buffered update(s)", quorum=config.buffer_size,
+                      staleness=config.max_staleness, folded_frees_place=True, rerank_each_round=False)
+        budget = budget_for(privacy, aggregation.clip_norm, None, buffered=True)
+        super().__init__(manifest, store, topics, fleet, terms, private=budget is not None)
+        self.budget = budget
         if budget is None:  # BatchNorm statistics averaged by value (fedper.buffered); under DP left unchanged
             statistics = tuple(t.name for t in manifest.shared_tensors if not t.trainable)
             self.config = BufferConfig(**{**config.to_json(), "staleness": config.staleness,
@@ -61,59 +79,62 @@ class FedBuff(Strategy):
                                           "clip_norm": budget.clip_norm, "aggregator": "mean"})
             private = set(private_tensor_names(manifest))
             self.frozen = tuple(t.name for t in manifest.shared_tensors if t.name not in private)
-        self.quorum = config.buffer_size  # the engine's closing rule never closes a buffer: its K-th fold does
-        self.max_weight_ratio = max_weight_ratio if config.aggregator == "mean" and budget is None else math.inf
+        self.max_weight_ratio = aggregation.max_weight_ratio if config.aggregator == "mean" and budget is None \
+            else math.inf
         self.weight_cap: float | None = None  # the open buffer's cap once its first update is folded (inf: none)
         self.buffer: Buffer | None = None
         self.versions: dict[int, str] = {}  # version -> its opening checkpoint (its model), within the window
         self.partial: tuple[str, dict[str, Any]] | None = None  # the buffer's latest checkpoint: file, JSON
         self.updates: list[dict[str, Any]] = []  # the folds since that checkpoint, in order: device, round, slot
-        self.released: Release | None = None
+        self.released: buffered.Release | None = None
         self.finished = False
         self._models: dict[int, Mapping[str, np.ndarray]] = {}  # a few older versions' models, as decoded
 
     # ------------------------------------------------------------ the round (one version)
 
-    def open(self, number: int, model: Mapping[str, np.ndarray], finished: bool) -> None:
-        """Version `number` opens: the buffer starts empty (the first time, over `model`) and is checkpointed."""
-        super().open(number, model, finished)
-        self.finished = finished
+    def open(self, round_: RoundRecord, model: Mapping[str, np.ndarray], finished: bool,
+             saved: Mapping[str, Any] | None = None) -> Opened:
+        """Version `number` opens: the buffer starts empty (the first time, over `model`) and is checkpointed.
+        Resumed: the buffer from its latest checkpoint, then the blobs folded after it, folded again in order."""
+        super().open(round_, model, finished, saved)
+        number, self.finished = round_.number, finished
+        if saved is not None:
+            self._resume(saved, round_)
+            return Opened({"max_staleness": self.config.max_staleness}, bool(self.budget and self.budget.stopped))
         self.released, self.updates, self.weight_cap = None, [], None
         if self.buffer is None:
             self.buffer = Buffer(self.config, model, number)
         if not finished:
             self.partial = self._write_checkpoint(f"version-r{number}.safetensors")
-            oldest = self.oldest_round(number)
+            oldest = self.terms.oldest_round(number)
             self.versions = {v: name for v, name in self.versions.items() if v >= oldest} | {number: self.partial[0]}
             self._models = {v: m for v, m in self._models.items() if v >= oldest}
+        return Opened({"max_staleness": self.config.max_staleness})
 
-    def oldest_round(self, number: int) -> int:
-        return max(1, number - self.config.max_staleness)
-
-    def check(self, meta: UpdateMeta) -> None:
+    def check(self, meta: UpdateMeta) -> Refused | None:
         if self.finished:
-            raise WireError("late_update", f"the run is finished: round {self.number} was the last")
+            return Refused("late_update", f"the run is finished: round {self.number} was the last")
         if meta.round > self.number:
-            raise WireError("late_update", f"update for round {meta.round}, but round {self.number} is open")
-        if meta.round < self.oldest_round(self.number):
-            raise WireError("stale_update", f"update trained on round {meta.round}'s model, more than "
-                            f"--max-staleness {self.config.max_staleness} versions before the open round {self.number}")
+            return Refused("late_update", f"update for round {meta.round}, but round {self.number} is open")
+        if meta.round < self.terms.oldest_round(self.number):
+            return Refused("stale_update", f"update trained on round {meta.round}'s model, more than "
+                           f"--max-staleness {self.config.max_staleness} versions before the open round {self.number}")
         if meta.codec == SECAGG_CODEC:
-            raise WireError("secagg", "this round takes clear updates")
+            return Refused("secagg", "this round takes clear updates")
+        return None
 
-    def places(self, live: Set[str], folded: Set[str]) -> Set[str]:
-        """A folded device's place goes to another: --clients-per-round devices keep training."""
-        return live - folded
-
-    def accept(self, device: str, blob: bytes, meta: UpdateMeta, now: float) -> tuple[bool, list[Outgoing]]:
-        """The delta against the model of the round it names, folded all or nothing; checkpointed as Mean does."""
-        self._fold(device, blob, meta.round, meta.n_samples, meta.codec)
+    def accept(self, device: str, kind: str, payload: bytes, meta: UpdateMeta | None,
+               now: float) -> Folded | Refused:
+        """The delta against the model of the round it names, folded all or nothing; checkpointed as Mean does.
+        The K-th fold releases the version: Ready."""
+        assert meta is not None, "a strategy of no topic kinds of its own"
+        self._fold(device, payload, meta.round, meta.n_samples, meta.codec)
         if len(self.updates) >= PARTIAL_EVERY and self.released is None:
             self.partial = self._write_checkpoint(f"buffer-r{self.number}-{len(self._buffer().folded)}.safetensors")
             self.updates = []  # the checkpoint covers them: their slots are free once the commit names it
         else:  # the next slot: the committed state names slots 0 .. len(updates) - 2 alone
-            self.updates[-1]["slot"] = self.store.write_slot(len(self.updates) - 1, blob)
-        return True, []
+            self.updates[-1]["slot"] = self.store.write_slot(len(self.updates) - 1, payload)
+        return Folded(Wait() if self.released is None else Ready())
 
     def _fold(self, device: str, blob: bytes, version: int, n_samples: int, codec: str | None = None) -> None:
         buffer = self._buffer()
@@ -124,14 +145,13 @@ class FedBuff(Strategy):
             delta[name][...] = 0.0
         try:
             _, release = buffer.fold(delta, self._weight(n_samples), version, f"{device}@{version}")
-        except Refused as e:
+        except buffered.Refused as e:
             raise WireError(REFUSALS[e.reason], str(e)) from None
         except ValueError as e:
             raise WireError("rejected", f"the aggregation rule refused the update: {e}") from None
         self.updates.append({"device": device, "round": version, "n_samples": n_samples})
         if release is not None:
             self.released = self._noised(release)
-            self.ready = True
 
     def _weight(self, n_samples: int) -> float:
         """1 under DP (K in the denominator); else n_j, at most the buffer's cap (set at its first fold from the
@@ -142,7 +162,7 @@ class FedBuff(Strategy):
             self.weight_cap = weight_cap(self.fleet, self.max_weight_ratio)
         return min(n_samples, self.weight_cap)
 
-    def _noised(self, release: Release) -> Release:
+    def _noised(self, release: buffered.Release) -> buffered.Release:
         """DP: Gaussian noise of std server_lr z C / K on each private tensor of the released version, drawn from
         the run's secret and the version (a restart draws the same), and the buffer goes on from it."""
         if self.budget is None:
@@ -153,15 +173,11 @@ class FedBuff(Strategy):
         for name in private_tensor_names(self.manifest):
             value = buffer.model[name]
             buffer.model[name] = (value.astype(np.float64) + rng.normal(0.0, std, value.shape)).astype(value.dtype)
-        return Release(release.version, buffer.model, release.folded)
+        return buffered.Release(release.version, buffer.model, release.folded)
 
-    def release(self, closed: RoundRecord) -> base.Release:
+    def release(self, closed: RoundRecord, last: bool) -> Released:
+        """The version; figures: its deltas (staleness, weight), its weight cap and, under DP, its privacy."""
         assert self.released is not None, "the engine releases a buffer only once it is ready"
-        return base.Release(dict(self.released.model))
-
-    def record(self, closed: RoundRecord, last: bool) -> dict[str, Any]:
-        """The version's deltas (staleness, weight), its weight cap and, under DP, the release's privacy."""
-        assert self.released is not None
         folded = self.released.folded
         figures: dict[str, Any] = {"buffer": {
             "version": self.released.version, "updates": [r.update_id for r in folded],
@@ -175,24 +191,17 @@ class FedBuff(Strategy):
             release = {"clip_norm": c, "noise_std": self.config.server_lr * z * c / k, "expected": k,
                        "unclipped": None, "count": len(folded)}
             figures["dp"] = self.budget.account(closed.number, 1.0, z, release, len(self.fleet.registered), last)
-            self.stopped = self.budget.stopped
-        return figures
+        stop = self.budget is not None and self.budget.stopped
+        return Released(dict(self.released.model), figures, stop)
 
-    # ------------------------------------------------------------ what it publishes
-
-    def round_fields(self) -> dict[str, Any]:
-        return {"max_staleness": self.config.max_staleness}
-
-    def state_fields(self) -> dict[str, Any]:
+    def status(self) -> Status:
         buffer = self.buffer
         fields: dict[str, Any] = {"buffer": {"folded": len(buffer.folded) if buffer else 0,
                                              "buffer_size": self.config.buffer_size,
                                              "max_staleness": self.config.max_staleness}}
-        return fields | ({"dp": self.budget.summary()} if self.budget is not None else {})
-
-    @property
-    def epsilon(self) -> float | None:
-        return None if self.budget is None else self.budget.epsilon
+        if self.budget is None:
+            return Status(fields)
+        return Status(fields | {"dp": self.budget.summary()}, self.budget.epsilon)
 
     # ------------------------------------------------------------ checkpoint
 
@@ -204,17 +213,12 @@ class FedBuff(Strategy):
                 "buffer": {"file": self.partial[0], "meta": self.partial[1]}, "updates": list(self.updates),
                 "weight_cap": cap}
 
-    def resume(self, part: Mapping[str, Any], round_: RoundRecord, model: Mapping[str, np.ndarray],
-               finished: bool) -> None:
-        """The buffer from its latest checkpoint, then the blobs folded after it, folded again in order."""
-        super().resume(part, round_, model, finished)
-        self.finished = finished
+    def _resume(self, part: Mapping[str, Any], round_: RoundRecord) -> None:
         if "buffer" not in part:
             raise ValueError(f"{self.store.dir} holds a run in synchronous rounds: resume it without --mode async, "
                              "or use a fresh --state-dir")
         if self.budget is not None:
             self.budget.resume(part["privacy"])
-            self.stopped = self.budget.stopped
         self.versions = {int(v): name for v, name in part["versions"].items()}
         file, meta = part["buffer"]["file"], part["buffer"]["meta"]
         self.partial = (file, meta)

@@ -21,11 +21,12 @@ from typing import Any
 import numpy as np
 
 from fedper.aggregation import CoordinateMedian, TrimmedMean, WeightedMean, clip_update
+from fedper.coordinator.config import Aggregation
 from fedper.coordinator.store import RoundRecord, Store
-from fedper.coordinator.strategies.base import Fleet, Release, Strategy, weight_cap
+from fedper.coordinator.strategies.base import Fleet, Folded, Opened, Refused, Released, Strategy, weight_cap
 from fedper.manifest import Manifest
 from fedper.payload import decode_shared
-from fedper.wire import SECAGG_CODEC, Outgoing, Topics, UpdateMeta, WireError
+from fedper.wire import SECAGG_CODEC, Topics, UpdateMeta
 
 AGGREGATORS: dict[str, Callable[[], Any]] = {  # by name: coordinator/config.py's AGGREGATOR_NAMES
     "mean": WeightedMean,
@@ -38,19 +39,27 @@ PARTIAL_EVERY = 8  # a streaming rule: a checkpoint of its float64 sum per this 
 class Mean(Strategy):
     """--aggregator over clear updates, each clipped to --clip-norm against the round's model when set."""
 
-    def __init__(self, manifest: Manifest, store: Store, topics: Topics, fleet: Fleet, aggregator: str = "mean",
-                 clip_norm: float | None = None, max_weight_ratio: float = math.inf) -> None:
-        super().__init__(manifest, store, topics, fleet)
-        self.aggregator, self.clip_norm = aggregator, clip_norm
-        self.max_weight_ratio = max_weight_ratio if aggregator == "mean" else math.inf  # the robust rules ignore n_j
+    groups = ("aggregation",)
+
+    def __init__(self, manifest: Manifest, store: Store, topics: Topics, fleet: Fleet, aggregation: Aggregation,
+                 private: bool = False) -> None:
+        super().__init__(manifest, store, topics, fleet, private=private)
+        self.aggregator, self.clip_norm = aggregation.aggregator, aggregation.clip_norm
+        # the robust rules ignore n_j
+        self.max_weight_ratio = aggregation.max_weight_ratio if self.aggregator == "mean" else math.inf
         self.weight_cap: float | None = None  # the round's cap once its first update is folded (inf: none)
         self.partial: str | None = None  # the rule's float64 running sum, if one was written this round
         self.updates: dict[str, dict[str, Any]] = {}  # device -> the slot of its update (as received) after the partial
 
-    def open(self, number: int, model: Mapping[str, np.ndarray], finished: bool) -> None:
-        super().open(number, model, finished)
+    def open(self, round_: RoundRecord, model: Mapping[str, np.ndarray], finished: bool,
+             saved: Mapping[str, Any] | None = None) -> Opened:
+        """A fresh rule; resumed: the partial sum, then the blobs folded after it."""
+        opened = super().open(round_, model, finished, saved)
         self.rule = self._new_rule()
         self.partial, self.updates, self.weight_cap = None, {}, None
+        if saved is not None:
+            self._resume(saved, round_)
+        return opened
 
     def _new_rule(self) -> Any:
         return AGGREGATORS[self.aggregator]()
@@ -59,25 +68,28 @@ class Mean(Strategy):
         """Whether the rule keeps a running sum (checkpointed as such) rather than every update."""
         return isinstance(self.rule, WeightedMean)
 
-    def check(self, meta: UpdateMeta) -> None:
-        super().check(meta)
-        if meta.codec == SECAGG_CODEC:
-            raise WireError("secagg", "this round takes clear updates")
+    def check(self, meta: UpdateMeta) -> Refused | None:
+        refused = super().check(meta)
+        if refused is None and meta.codec == SECAGG_CODEC:
+            return Refused("secagg", "this round takes clear updates")
+        return refused
 
-    def accept(self, device: str, blob: bytes, meta: UpdateMeta, now: float) -> tuple[bool, list[Outgoing]]:
+    def accept(self, device: str, kind: str, payload: bytes, meta: UpdateMeta | None,
+               now: float) -> Folded | Refused:
         """Fold an update checked in full: the rule's add is all or nothing, then its checkpoint file is written."""
-        tensors = self._prepared(decode_shared(self.manifest, blob, meta.codec, base=self.model))
+        assert meta is not None, "a strategy of no topic kinds of its own"
+        tensors = self._prepared(decode_shared(self.manifest, payload, meta.codec, base=self.model))
         try:
             self.rule.add(tensors, self._weight(meta.n_samples))
         except ValueError as e:
-            raise WireError("rejected", f"the aggregation rule refused the update: {e}") from None
+            return Refused("rejected", f"the aggregation rule refused the update: {e}")
         if self._streaming() and len(self.updates) + 1 >= PARTIAL_EVERY:
             self.partial = self.store.write_tensors(f"partial-r{self.number}-{self.rule.count}.safetensors",
                                                     self.rule.sums())
             self.updates = {}  # the partial covers them: their slots are free once the commit names it
         else:  # the next slot: the committed state names slots 0 .. len(updates) - 1 alone
-            self.updates[device] = self.store.write_slot(len(self.updates), blob)
-        return True, []
+            self.updates[device] = self.store.write_slot(len(self.updates), payload)
+        return Folded()
 
     def _weight(self, n_samples: int) -> float:
         """The device's weight in the fold: n_j, at most the round's cap (set here, at the first fold)."""
@@ -91,25 +103,21 @@ class Mean(Strategy):
             tensors = clip_update(tensors, self.model, self.clip_norm)
         return tensors
 
-    def release(self, closed: RoundRecord) -> Release:
-        return Release(self.rule.result())
-
-    def record(self, closed: RoundRecord, last: bool) -> dict[str, Any]:
-        """The weight cap and the devices it bounded (with --max-weight-ratio and the mean)."""
+    def release(self, closed: RoundRecord, last: bool) -> Released:
+        """The rule's result; figures: the weight cap and the devices it bounded (with --max-weight-ratio)."""
         cap = self.weight_cap
         if cap is None or not math.isfinite(cap):
-            return {}
-        return {"weight_cap": cap, "capped": sorted(d for d, f in closed.folded.items() if f.n_samples > cap)}
+            return Released(self.rule.result())
+        capped = sorted(d for d, f in closed.folded.items() if f.n_samples > cap)
+        return Released(self.rule.result(), {"weight_cap": cap, "capped": capped})
 
     def checkpoint(self) -> dict[str, Any]:
         cap = self.weight_cap if self.weight_cap is not None and math.isfinite(self.weight_cap) else None
         return {**super().checkpoint(), "partial": self.partial, "updates": dict(self.updates), "weight_cap": cap}
 
-    def resume(self, part: Mapping[str, Any], round_: RoundRecord, model: Mapping[str, np.ndarray],
-               finished: bool) -> None:
+    def _resume(self, part: Mapping[str, Any], round_: RoundRecord) -> None:
         """The partial sum, then the blobs folded after it."""
-        super().resume(part, round_, model, finished)
-        self.rule, self.partial, self.updates = self._new_rule(), part.get("partial"), {}
+        self.partial = part.get("partial")
         self.weight_cap = part.get("weight_cap")  # None with updates folded: uncapped (lifted, or an earlier release)
         if self.weight_cap is None and round_.folded:
             self.weight_cap = math.inf

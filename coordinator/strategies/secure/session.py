@@ -5,7 +5,7 @@ arrive one at a time from untrusted devices, each stage with a deadline, checkin
 so that a bad one is refused (`secagg`) without costing another device its place. A device whose shares do
 not authenticate is reported by its neighbours and left out of the session; the session's groups (one, or
 several while the strategy narrows down a device whose input spoils the sum: `plan_groups`) are checked and
-released apart. The strategy that drives it is coordinator/strategies/secure.py. Stages, weights and
+released apart. The strategy that drives it is strategy.py beside this file. Stages, weights and
 distributed DP: docs/privacy.md ("Secure aggregation"); messages: docs/protocol.md, 6.9.
 """
 
@@ -321,42 +321,52 @@ class SecureRound:
         (and the round opens another) only before any share is revealed: from the unmask stage on, it is done,
         whatever each group's outcome (a device answers one unmask request a round)."""
         assert self.server is not None
-        server, relay = self.server, topics.relay
+        closers = {Stage.SHARES: self._relay_shares, Stage.RECEIVED: self._ask_masked,
+                   Stage.MASKED: self._ask_signatures, Stage.CONSISTENCY: self._ask_unmask}
+        close = closers.get(self.stage)
         try:
-            if self.stage == Stage.SHARES:
-                if len(self._bundles) < minimum:
-                    return self._fail(f"{len(self._bundles)} device(s) shared keys, fewer than {minimum}")
-                inbox = server.relay_shares(self._bundles.values())
-                out = [Outgoing(relay(self.roster[u]), self.wire.shares(m, upward=False).encode())
-                       for u, m in inbox.items()]
-                return self._next(Stage.RECEIVED, set(inbox), now, out)
-            if self.stage == Stage.RECEIVED:
-                requests = server.mask_requests(self._reports.values())
-                self.reported = tuple(self.roster[u] for u in server.excluded)
-                if self.reported:
-                    log.warning("round %d: secure aggregation session %d: left out %s, whose shares did not "
-                                "authenticate at a neighbour", self.round, self.session, ", ".join(self.reported))
-                if len(requests) < minimum:
-                    return self._fail(f"{len(requests)} device(s) may send a masked input, fewer than {minimum}")
-                out = [Outgoing(relay(self.roster[u]), self.wire.mask(m).encode()) for u, m in requests.items()]
-                return self._next(Stage.MASKED, set(requests), now, out)
-            if self.stage == Stage.MASKED:
-                if len(self._masked) < minimum:
-                    return self._fail(f"{len(self._masked)} masked input(s), fewer than {minimum}")
-                lists = server.survivor_lists(self._masked.values())
-                self._masked.clear()  # summed by the server
-                out = [Outgoing(relay(self.roster[u]), self.wire.survivors(m).encode()) for u, m in lists.items()]
-                return self._next(Stage.CONSISTENCY, set(lists), now, out)
-            if self.stage == Stage.CONSISTENCY:
-                requests = server.unmask_requests(self._signatures.values())
-                out = [Outgoing(relay(self.roster[u]), self.wire.unmask_request(m).encode())
-                       for u, m in requests.items()]
-                return self._next(Stage.UNMASK, set(requests), now, out)
+            if close is not None:
+                return close(self.server, now, topics.relay, minimum)
         except SecAggError as e:  # too few inputs or signatures for the consistency check
             return self._fail(str(e))
-        self.result = server.aggregate(self._responses.values())
+        self.result = self.server.aggregate(self._responses.values())
         self.stage = Stage.DONE
         return []
+
+    def _relay_shares(self, server: SecAggServer, now: float, relay: Callable[[str], str],
+                      minimum: int) -> list[Outgoing]:
+        if len(self._bundles) < minimum:
+            return self._fail(f"{len(self._bundles)} device(s) shared keys, fewer than {minimum}")
+        inbox = server.relay_shares(self._bundles.values())
+        out = [Outgoing(relay(self.roster[u]), self.wire.shares(m, upward=False).encode()) for u, m in inbox.items()]
+        return self._next(Stage.RECEIVED, set(inbox), now, out)
+
+    def _ask_masked(self, server: SecAggServer, now: float, relay: Callable[[str], str],
+                    minimum: int) -> list[Outgoing]:
+        requests = server.mask_requests(self._reports.values())
+        self.reported = tuple(self.roster[u] for u in server.excluded)
+        if self.reported:
+            log.warning("round %d: secure aggregation session %d: left out %s, whose shares did not "
+                        "authenticate at a neighbour", self.round, self.session, ", ".join(self.reported))
+        if len(requests) < minimum:
+            return self._fail(f"{len(requests)} device(s) may send a masked input, fewer than {minimum}")
+        out = [Outgoing(relay(self.roster[u]), self.wire.mask(m).encode()) for u, m in requests.items()]
+        return self._next(Stage.MASKED, set(requests), now, out)
+
+    def _ask_signatures(self, server: SecAggServer, now: float, relay: Callable[[str], str],
+                        minimum: int) -> list[Outgoing]:
+        if len(self._masked) < minimum:
+            return self._fail(f"{len(self._masked)} masked input(s), fewer than {minimum}")
+        lists = server.survivor_lists(self._masked.values())
+        self._masked.clear()  # summed by the server
+        out = [Outgoing(relay(self.roster[u]), self.wire.survivors(m).encode()) for u, m in lists.items()]
+        return self._next(Stage.CONSISTENCY, set(lists), now, out)
+
+    def _ask_unmask(self, server: SecAggServer, now: float, relay: Callable[[str], str],
+                    minimum: int) -> list[Outgoing]:
+        requests = server.unmask_requests(self._signatures.values())
+        out = [Outgoing(relay(self.roster[u]), self.wire.unmask_request(m).encode()) for u, m in requests.items()]
+        return self._next(Stage.UNMASK, set(requests), now, out)
 
     def _next(self, stage: Stage, expected: set[int], now: float, out: list[Outgoing]) -> list[Outgoing]:
         self.stage, self._expected, self.deadline = stage, expected, now + self.settings.stage_timeout
