@@ -13,7 +13,9 @@ from typing import Any, ClassVar
 
 from fedper.buffered import STALENESS_KINDS, BufferConfig, Staleness
 from fedper.privacy import DEFAULT_DELTA
+from fedper.schedule import lr_at, parse_milestones
 from fedper.wire import DEFAULT_CHUNK_SIZE, MAX_SECAGG_NEIGHBOURS
+from fedper.wire.messages import MAX_BATCH_SIZE, MAX_LOCAL_EPOCHS
 
 DEFAULT_MAX_SAMPLES_PER_DEVICE = 1_000_000  # a registration claiming more is refused (too_many_samples)
 DEFAULT_MAX_WEIGHT_RATIO = 10.0  # c: a device weighs at most c x the median registered n_samples in the mean
@@ -229,9 +231,41 @@ class Asynchronous(Group):
                             clip_norm, statistics)
 
 
+@dataclass(frozen=True)
+class Training(Group):
+    """The fleet's local training, decided here and sent with each round (RoundInfo), under fedper-emulate's
+    option names; a setting left unset is each device's own flag."""
+
+    title = "Local training, sent with each round (docs/protocol.md)"
+    lr: float | None = option(None, "The devices' SGD learning rate, sent with each round (with --lr-milestones, "
+                                    "its schedule) (default: each device's own --lr).", min=0.0)
+    lr_milestones: str = option("", "Comma-separated rounds after which --lr is multiplied by --lr-decay (FedBABU: "
+                                    "R/2,3R/4), as in fedper-emulate (default: a constant lr).")
+    lr_decay: float = option(0.1, "The lr factor at each of --lr-milestones.", min=0.0)
+    local_epochs: int | None = option(None, "Local epochs each device trains per round (default: each device's "
+                                            "own --local-epochs).", min=1, max=MAX_LOCAL_EPOCHS)
+    batch_size: int | None = option(None, "Local batch size of every device (default: each device's own "
+                                          "--batch-size).", min=1, max=MAX_BATCH_SIZE)
+
+    def __post_init__(self) -> None:
+        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if not (math.isfinite(self.lr_decay) and self.lr_decay > 0):
+            raise ValueError(f"--lr-decay must be > 0, got {self.lr_decay}")
+        if parse_milestones(self.lr_milestones) and self.lr is None:
+            raise ValueError("--lr-milestones needs --lr: the schedule starts from the lr the coordinator sends")
+
+    def round_fields(self, round_: int) -> dict[str, Any]:
+        """What RoundInfo carries of round `round_`'s training: the settings the coordinator decides (the lr
+        after its schedule's milestones), none of those it leaves to the devices."""
+        lr = None if self.lr is None else lr_at(self.lr, round_, parse_milestones(self.lr_milestones), self.lr_decay)
+        sent = {"lr": lr, "local_epochs": self.local_epochs, "batch_size": self.batch_size}
+        return {name: value for name, value in sent.items() if value is not None}
+
+
 GROUPS: dict[str, type[Group]] = {"rounds": Rounds, "selection": Selection, "aggregation": Aggregation,
                                   "privacy": Privacy, "secure": SecureAggregation, "quotas": Quotas,
-                                  "asynchronous": Asynchronous}
+                                  "asynchronous": Asynchronous, "training": Training}
 
 
 @dataclass(frozen=True)
@@ -245,6 +279,7 @@ class Config:
     secure: SecureAggregation = field(default_factory=SecureAggregation)
     quotas: Quotas = field(default_factory=Quotas)
     asynchronous: Asynchronous = field(default_factory=Asynchronous)
+    training: Training = field(default_factory=Training)
 
     def __post_init__(self) -> None:
         """What groups require of each other."""

@@ -60,7 +60,11 @@ class RoundMachine:
 
     def _round_message(self) -> Outgoing:
         return self._announcements.round_info(self.round.number, self.rounds.rounds, self.finished, self._deadline,
-                                              self.round.selected, self._round_fields)
+                                              self.round.selected, self._training_fields() | self._round_fields)
+
+    def _training_fields(self) -> dict[str, Any]:
+        """The open round's local training as the coordinator decides it (none once the run is finished)."""
+        return {} if self.finished else self.config.training.round_fields(self.round.number)
 
     def _invitation(self, device: str) -> Outgoing:
         return self._announcements.invitation(device, self.round.carried.get(device, self.round.number))

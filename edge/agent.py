@@ -12,7 +12,7 @@ import math
 import resource
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -123,6 +123,23 @@ def schedule(manifest: Manifest, fine_tune_head: bool) -> tuple[Phase, ...]:
     return phases
 
 
+@dataclass(frozen=True)
+class LocalTraining:
+    """What a round trains with: the device's own flags (--lr, --local-epochs, --batch-size), replaced by the
+    settings the coordinator sends with the round (RoundInfo's lr, local_epochs, batch_size) where it sends them."""
+
+    lr: float
+    local_epochs: int
+    batch_size: int
+
+    def of_round(self, info: RoundInfo) -> LocalTraining:
+        sent = {"lr": info.lr, "local_epochs": info.local_epochs, "batch_size": info.batch_size}
+        return replace(self, **{name: value for name, value in sent.items() if value is not None})
+
+    def __str__(self) -> str:
+        return f"lr {self.lr:g}, {self.local_epochs} local epoch(s), batch {self.batch_size}"
+
+
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kilobytes on Linux
 
@@ -156,6 +173,7 @@ class Agent:
         self.backend = open_backend(config.backend, config.artifacts, self.manifest, config.device)
         self.personal = PersonalModel(config.artifacts, self.manifest, manifest_classes(self.manifest))
         self.chance = chance_words(self.data.y_test)  # beside every accuracy a person reads
+        self.last_training = self.own_training  # FedBABU's fine-tune for serving: the last round's settings
         saved = self.state.load(self.manifest)
         if saved is not None:
             self.backend.load(saved.local)
@@ -199,7 +217,10 @@ class Agent:
             return ConditionsChecked(job, self.conditions.problem())
         if isinstance(job, TrainRound):
             self.backend.load(job.model)
-            return RoundTrained(job, self.train_round(job.info.round))
+            training = self.own_training.of_round(job.info)
+            if training != self.own_training:
+                self.log(f"round {job.info.round}: training as the coordinator says: {training}")
+            return RoundTrained(job, self.train_round(job.info.round, training))
         return FinalEvaluated(job, self.finish(job))
 
     def handle(self, topic: str, payload: bytes) -> list[Outgoing]:
@@ -218,9 +239,16 @@ class Agent:
                 pending += self.engine.handle(self.run(action), self.clock())
         return out
 
-    def train_round(self, round_: int) -> Saved:
-        """Evaluate the served model, train every phase, save the state; the base is already loaded."""
+    @property
+    def own_training(self) -> LocalTraining:
+        c = self.config
+        return LocalTraining(c.lr, c.local_epochs, c.batch_size)
+
+    def train_round(self, round_: int, training: LocalTraining | None = None) -> Saved:
+        """Evaluate the served model, train every phase with `training` (default: the device's own flags), save
+        the state; the base is already loaded."""
         c, d = self.config, self.data
+        t = self.last_training = training or self.own_training
         untuned = self._tune_for_serving(round_) if len(d.y_test) else None
         accuracy, test_loss = self.backend.evaluate(d.x_test, d.y_test)
         served = self.backend.read(self.manifest.names())
@@ -229,8 +257,8 @@ class Agent:
         samples, seconds, losses = 0, 0.0, []
         for index, phase in enumerate(self.phases):
             stats = self.backend.train(
-                phase.trained, d.x_train, d.y_train, epochs=phase.epochs or c.local_epochs,
-                batch_size=c.batch_size, lr=c.lr, seed=(c.seed, round_, index),
+                phase.trained, d.x_train, d.y_train, epochs=phase.epochs or t.local_epochs,
+                batch_size=t.batch_size, lr=t.lr, seed=(c.seed, round_, index),
             )
             samples, seconds = samples + stats.samples, seconds + stats.seconds
             losses.append(stats.loss)
@@ -276,8 +304,8 @@ class Agent:
         tensors for the caller to load back. Other algorithms serve the model as it is: None."""
         if not self.serve_tuned:
             return None
-        c, d = self.config, self.data
+        c, d, t = self.config, self.data, self.last_training
         untuned = self.backend.read(self.manifest.names())
         self.backend.train(c.eval_finetune, d.x_train, d.y_train, epochs=c.eval_finetune_epochs,
-                           batch_size=c.batch_size, lr=c.lr, seed=(c.seed, round_, PURPOSE_FINETUNE))
+                           batch_size=t.batch_size, lr=t.lr, seed=(c.seed, round_, PURPOSE_FINETUNE))
         return untuned

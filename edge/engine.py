@@ -414,6 +414,8 @@ class AgentEngine:
         answered = max(self.saved.round if self.saved else 0, self._training.info.round if self._training else 0)
         if info.state == "open" and info.round < answered:
             return f"stale: this device already answered round {answered}"
+        if info.lr is not None and not info.lr > 0:
+            return f"its learning rate {info.lr} is not > 0"
         return None
 
     def _on_invitation(self, payload: bytes) -> list[Action]:

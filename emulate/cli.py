@@ -59,6 +59,7 @@ def run_config(options: dict[str, Any]) -> RunConfig:
     from fedper.emulate.data import PAPER_BATCH, PAPER_CLIENTS, DataConfig
     from fedper.emulate.experiment import RunConfig
     from fedper.emulate.fleet import FleetConfig
+    from fedper.schedule import parse_milestones
 
     o = SimpleNamespace(**options)
     kp = o.kp
@@ -78,7 +79,7 @@ def run_config(options: dict[str, Any]) -> RunConfig:
             channels_last=o.channels_last,
             eval_finetune_every_algorithm=o.eval_finetune_every_algorithm,
             eval_finetune_interval=o.eval_finetune_interval, lr_decay=o.lr_decay,
-            lr_milestones=tuple(int(m) for m in o.lr_milestones.replace(",", " ").split()),
+            lr_milestones=parse_milestones(o.lr_milestones),
             clients_per_round=o.clients_per_round, bn=o.bn, clip_norm=o.clip_norm,
             dp_noise_multiplier=o.dp_noise_multiplier, dp_delta=o.dp_delta, dp_target_epsilon=o.dp_target_epsilon,
             dp_budget_action=o.dp_budget_action, dp_adaptive_quantile=o.dp_adaptive_clipping,

@@ -67,6 +67,7 @@ from fedper.privacy import (
     private_tensor_names,
     round_generator,
 )
+from fedper.schedule import lr_at
 from fedper.selection import select
 from fedper.training import evaluate, load_tensors
 
@@ -117,7 +118,7 @@ class FleetConfig:
     def lr_at(self, round_: int) -> float:
         """The learning rate of round `round_` (1-based): lr, times lr_decay for each milestone it comes after.
         A function of the round alone, so a resumed run follows the schedule its config.json records."""
-        return self.lr * self.lr_decay ** sum(round_ > m for m in self.lr_milestones)
+        return lr_at(self.lr, round_, self.lr_milestones, self.lr_decay)
 
 
 @dataclass

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -48,9 +49,11 @@ def device_data(tmp_path: Path) -> list[Path]:
     return paths
 
 
-def reference_base(artifacts: Path, data: list[Path], tmp_path: Path, codec: str = "fp32") -> dict[str, np.ndarray]:
-    """FedPer by hand: each round, every device loads the base + its own head, trains, and the base
-    is the n_j-weighted mean of the devices' shared tensors (as they come out of `codec`)."""
+def reference_base(artifacts: Path, data: list[Path], tmp_path: Path, codec: str = "fp32", *,
+                   lrs: tuple[float, ...] = (LR,) * ROUNDS, epochs: int = 1,
+                   batch: int = BATCH) -> dict[str, np.ndarray]:
+    """FedPer by hand: each round, every device loads the base + its own head, trains (round r at lrs[r - 1]),
+    and the base is the n_j-weighted mean of the devices' shared tensors (as they come out of `codec`)."""
     manifest = check_artifacts(artifacts)
     backend = open_backend("ort", artifacts, manifest)
     shared_names, local_names = manifest.names(shared=True), manifest.names(shared=False)
@@ -62,7 +65,8 @@ def reference_base(artifacts: Path, data: list[Path], tmp_path: Path, codec: str
         for j, d in enumerate(local):
             backend.load(base)
             backend.load(heads[j])
-            backend.train("all", d.x_train, d.y_train, epochs=1, batch_size=BATCH, lr=LR, seed=(SEED, round_, 0))
+            backend.train("all", d.x_train, d.y_train, epochs=epochs, batch_size=batch, lr=lrs[round_ - 1],
+                          seed=(SEED, round_, 0))
             sent = encode_shared(manifest, backend.read(shared_names), codec, base)
             mean.add(decode_shared(manifest, sent, codec, base), len(d.y_train))
             heads[j] = backend.read(local_names)
@@ -70,11 +74,11 @@ def reference_base(artifacts: Path, data: list[Path], tmp_path: Path, codec: str
     return base
 
 
-def start_coordinator(artifacts: Path, broker_url: str, state_dir: Path, fleet: str) -> subprocess.Popen:
+def start_coordinator(artifacts: Path, broker_url: str, state_dir: Path, fleet: str, *options: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "fedper.coordinator.cli", "--artifacts", str(artifacts), "--fleet", fleet,
          "--rounds", str(ROUNDS), "--min-clients", "2", "--round-timeout", "60", "--state-dir", str(state_dir),
-         "--broker", broker_url],
+         "--broker", broker_url, *options],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
 
@@ -113,6 +117,28 @@ def test_two_agents_two_rounds_match_an_independent_computation(tmp_path: Path, 
     assert all(a.final_accuracy is not None for a in agents), "\n".join(logs)
     assert all(a.state.load(a.manifest).round == ROUNDS for a in agents)  # the head survives on disk
     assert any("samples/s" in line and "peak RSS" in line for line in logs)
+
+
+def test_agents_train_with_the_settings_the_coordinator_sends(tmp_path: Path, artifacts: Path, mosquitto) -> None:
+    """The coordinator decides lr (halved after round 1), local epochs and batch size for the fleet; agents
+    started with other flags train with its settings: the final base is the computation by hand at those."""
+    data = device_data(tmp_path)
+    coordinator_dir = tmp_path / "coordinator"
+    coordinator = start_coordinator(artifacts, mosquitto.url, coordinator_dir, "settings", "--lr", "0.04",
+                                    "--lr-milestones", "1", "--lr-decay", "0.5", "--local-epochs", "2",
+                                    "--batch-size", "8")
+    logs: list[str] = []
+    own = {"lr": 0.3, "local_epochs": 1, "batch_size": 4}  # what the coordinator's settings replace
+    agents = [Agent(replace(agent_config(artifacts, path, mosquitto.url, "settings", j, tmp_path), **own),
+                    log=logs.append) for j, path in enumerate(data)]
+    run_fleet(coordinator, agents, 120, "\n".join(logs))
+
+    final = load_file(str(coordinator_dir / "final.safetensors"))
+    expected = reference_base(artifacts, data, tmp_path, lrs=(0.04, 0.02), epochs=2, batch=8)
+    gaps = {n: float(np.linalg.norm(final[n] - expected[n]) / max(np.linalg.norm(expected[n]), 1e-12)) for n in final}
+    assert max(gaps.values()) < 1e-4, sorted(gaps.items(), key=lambda kv: -kv[1])[:3]
+    assert sum("round 2: training as the coordinator says: lr 0.02, 2 local epoch(s), batch 8" in line
+               for line in logs) == 2, "\n".join(logs)
 
 
 def test_an_agent_killed_after_saving_rejoins_and_resends(tmp_path: Path, artifacts: Path, mosquitto) -> None:

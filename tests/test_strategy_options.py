@@ -27,12 +27,13 @@ from fedper.wire import Register, Topics, UpdateMeta, chunk
 
 MANIFEST = tiny_manifest()
 TOPICS = Topics("lab")
-ENGINE_GROUPS = ("rounds", "selection", "quotas")  # read by the engine itself, whatever the strategy
+ENGINE_GROUPS = ("rounds", "selection", "quotas", "training")  # read by the engine itself, whatever the strategy
 COMMON = {"rounds": 3, "min_clients": 2, "round_timeout": 7.5, "chunk_size": 64, "state_interval": 0.25,
           "clients_per_round": 2, "answer_timeout": 3.5, "aggregator": "mean", "clip_norm": 5.0,
           "max_weight_ratio": 12.5, "max_samples_per_device": 5000, "max_uploads_per_device": 3,
           "max_uploads_per_round": 9, "max_upload_bytes_per_device": 1 << 22, "max_reassembly_bytes": 1 << 24,
-          "max_messages_per_second": 500.0, "max_open_blobs": 32}
+          "max_messages_per_second": 500.0, "max_open_blobs": 32, "lr": 0.05, "lr_milestones": "1", "lr_decay": 0.5,
+          "local_epochs": 2, "batch_size": 16}
 DP = {"dp_noise_multiplier": 0.9, "dp_delta": 2e-5, "dp_target_epsilon": 1e9, "dp_budget_action": "warn"}
 ASYNC = {"mode": "async", "buffer_size": 2, "max_staleness": 5, "staleness": "hinge", "staleness_exponent": 0.7,
          "staleness_hinge": 1, "server_lr": 0.9}

@@ -22,6 +22,8 @@ MAX_TEXT = 256  # characters of a string field (an error's message: MAX_ERROR_TE
 MAX_ERROR_TEXT = 4096
 MAX_METRICS = 16  # entries of an update's metrics, each named like a topic level (NAME_RE)
 MAX_METRIC_VALUE = 1e15  # |value| of a metric: a fleet's sum of them stays a finite float
+MAX_LOCAL_EPOCHS = 1_000  # local epochs a coordinator may ask of a device in one round
+MAX_BATCH_SIZE = 65_536  # the batch size it may ask
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 M = TypeVar("M", bound="Message")
@@ -288,13 +290,18 @@ class RoundInfo(Message):
     max_staleness: int | None = None  # asynchronous rounds: updates trained on rounds round - max_staleness ..
     # round are taken (a device sends its update for the round it trained on after a newer one opened); None: only
     # this round's
+    # The round's local training, decided by the coordinator for its whole fleet (--lr with its schedule,
+    # --local-epochs, --batch-size); left out: each device trains with its own flags (docs/protocol.md)
+    lr: float | None = None  # > 0 (a device ignores a RoundInfo with another)
+    local_epochs: Annotated[int, Int(1, MAX_LOCAL_EPOCHS)] | None = None
+    batch_size: Annotated[int, Int(1, MAX_BATCH_SIZE)] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Optional fields at their default are not sent: with every device taking part, RoundInfo is what it
         was before selection existed."""
         body = super().to_dict()
         for name, default in (("selection", "all"), ("next_selection_at", None), ("secagg_session", None),
-                              ("max_staleness", None)):
+                              ("max_staleness", None), ("lr", None), ("local_epochs", None), ("batch_size", None)):
             if body[name] == default:
                 del body[name]
         return body

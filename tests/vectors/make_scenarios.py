@@ -48,6 +48,7 @@ TOPICS = Topics(FLEET)
 CHUNK = 64  # bytes of model per chunk: the toy model's blob spans several
 START = 1_800_000_000.0  # the clock of every scenario's first event (unix seconds)
 METRICS = {"accuracy": 0.75, "loss": 0.5, "train_loss": 0.25}
+TRAINING_FIELDS = ("lr", "local_epochs", "batch_size")  # RoundInfo: the round's training, as the coordinator decides it
 
 
 def values(tensors: dict[str, np.ndarray]) -> dict[str, list[float]]:
@@ -168,8 +169,11 @@ def normalize(out: list[Action]) -> list[dict[str, Any]]:
     frames: list[bytes] = []
     for i, action in enumerate(out):
         if isinstance(action, TrainRound | EvaluateFinal):
+            sent = {name: getattr(action.info, name) for name in TRAINING_FIELDS
+                    if getattr(action.info, name) is not None}
             entries.append({"job": "train" if isinstance(action, TrainRound) else "evaluate",
-                            "round": action.info.round, "blob_id": action.info.blob_id})
+                            "round": action.info.round, "blob_id": action.info.blob_id,
+                            **({"training": sent} if sent else {})})
         elif isinstance(action, CheckConditions):
             entries.append({"job": "check", "round": action.round})
         elif isinstance(action, Outgoing) and action.topic == TOPICS.update(DEVICE):
@@ -335,6 +339,20 @@ def refusals() -> Recorder:
     return s
 
 
+def coordinator_training() -> Recorder:
+    s = Recorder("The coordinator sends round 1's training settings (lr, local epochs, batch size) with its RoundInfo: "
+                 "the train job carries them; a RoundInfo whose lr is not > 0 is refused; round 2 comes without "
+                 "settings, so its job carries none (the device's own flags).")
+    s.connect()
+    s.feed(round_info(1, lr=0.05, local_epochs=2, batch_size=16), *chunks(1))
+    s.trained()
+    s.feed(round_info(2, lr=-0.5), *chunks(2))
+    s.feed(round_info(2, lr=0.0), *chunks(2))
+    s.feed(round_info(2), *chunks(2))
+    s.trained(0.5)
+    return s
+
+
 def presence() -> Recorder:
     s = Recorder("With conditions (fedper-agent's --only-when), presence follows the verdict: offline until first "
                  "checked, online once they hold; a round is checked for, a failed check publishes offline and backs "
@@ -366,6 +384,7 @@ SCENARIOS = {
     "errors": errors,
     "refusals": refusals,
     "presence": presence,
+    "coordinator-training": coordinator_training,
 }
 
 

@@ -14,6 +14,7 @@ import base64
 import hashlib
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -127,7 +128,10 @@ def async_vectors(topics: Topics, manifest: Manifest) -> dict[str, tuple[bytes, 
     header, data = decode_frame(stale)
     error = ErrorMessage("stale_update", "update trained on round 1's model, more than --max-staleness 1 versions "
                          "before the open round 3", 3)
-    messages = {"round-async": (topics.round, info), "invite": (topics.invite(DEVICE), Invitation(2)),
+    training = replace(info, selection="all", next_selection_at=None, max_staleness=None, lr=0.025, local_epochs=3,
+                       batch_size=64)  # the coordinator decides the round's training (--lr, --local-epochs ...)
+    messages = {"round-async": (topics.round, info), "round-training": (topics.round, training),
+                "invite": (topics.invite(DEVICE), Invitation(2)),
                 "error-stale": (topics.error(DEVICE), error)}
     out = {name: (msg.encode(), {"topic": topic, "kind": type(msg).__name__, "message": json.loads(msg.encode())})
            for name, (topic, msg) in messages.items()}

@@ -33,6 +33,17 @@ export const DEFAULTS = {
   evalFinetuneEpochs: 1, evalFinetune: 'all', fineTuneHead: false,
 };
 
+// RoundInfo's training settings (the coordinator's, for its whole fleet) and the page's own settings they replace
+const SENT = [['lr', 'lr'], ['local_epochs', 'localEpochs'], ['batch_size', 'batchSize']];
+
+/** What a round trains with: the page's own settings, replaced by those the coordinator sends with the round
+ * (edge/agent.py LocalTraining.of_round). */
+export function roundTraining(info, own) {
+  const training = { lr: own.lr, localEpochs: own.localEpochs, batchSize: own.batchSize };
+  for (const [field, name] of SENT) if (info[field] !== null && info[field] !== undefined) training[name] = info[field];
+  return training;
+}
+
 /** The shared tensors of `tensors` (a Map by name) as one safetensors blob under `codec`: the manifest decides
  * what goes, so a head tensor cannot be sent (fedper.payload.encode_shared's rule). */
 export function encodeShared(manifest, tensors, codec = 'fp32', reference = null) {
@@ -283,6 +294,7 @@ export class AgentEngine {
     if (info.size > this.models.maxBlobSize) return `its model declares ${info.size} bytes, more than this model's shared tensors take (${this.models.maxBlobSize})`;
     const answered = Math.max(this.saved?.round ?? 0, this.training?.info.round ?? 0);
     if (info.state === 'open' && info.round < answered) return `stale: this device already answered round ${answered}`;
+    if (info.lr != null && !(info.lr > 0)) return `its learning rate ${info.lr} is not > 0`;
     return null;
   }
 
@@ -531,7 +543,11 @@ export class Agent {
     if (job.job === 'check') return { type: 'checked', job, problem: await this.conditions() };
     if (job.job === 'train') {
       this.trainer.load(job.model);
-      return { type: 'trained', job, saved: await this.trainRound(job.info.round) };
+      const training = roundTraining(job.info, this.config);
+      if (SENT.some(([field]) => job.info[field] != null)) {
+        this.log(`round ${job.info.round}: training as the coordinator says: lr ${training.lr}, ${training.localEpochs} local epoch(s), batch ${training.batchSize}`);
+      }
+      return { type: 'trained', job, saved: await this.trainRound(job.info.round, training) };
     }
     return { type: 'evaluated', job, accuracy: await this.finish(job.info, job.model) };
   }
@@ -547,27 +563,29 @@ export class Agent {
     return accuracy;
   }
 
-  /** FedBABU: fine-tune the loaded model in place, as the device serves it; returns the untuned tensors. */
+  /** FedBABU: fine-tune the loaded model in place, as the device serves it (with the last round's settings);
+   * returns the untuned tensors. */
   async tuneForServing(round) {
     if (!this.serveTuned) return null;
-    const c = this.config, d = this.data;
+    const c = this.config, d = this.data, t = this.lastTraining ?? c;
     const untuned = this.trainer.read(this.manifest.names());
     await this.trainer.train(c.evalFinetune, d.xTrain, d.yTrain, {
-      epochs: c.evalFinetuneEpochs, batchSize: c.batchSize, lr: c.lr, seed: [c.seed, round, PURPOSE_FINETUNE],
+      epochs: c.evalFinetuneEpochs, batchSize: t.batchSize, lr: t.lr, seed: [c.seed, round, PURPOSE_FINETUNE],
     });
     return untuned;
   }
 
-  /** Evaluate the served model, train every phase, save the state; the base is already loaded. */
-  async trainRound(round) {
-    const c = this.config, d = this.data;
+  /** Evaluate the served model, train every phase with `training` (roundTraining; default: the page's own
+   * settings), save the state; the base is already loaded. */
+  async trainRound(round, training = this.config) {
+    const c = this.config, d = this.data, t = this.lastTraining = training;
     const untuned = d.yTest.length ? await this.tuneForServing(round) : null;
     const { accuracy, loss: testLoss } = await this.trainer.evaluate(d.xTest, d.yTest);
     if (untuned) this.trainer.load(untuned);
     let samples = 0, seconds = 0, trainLoss = NaN;
     for (const [index, [trained, epochs]] of this.phases.entries()) {
       const stats = await this.trainer.train(trained, d.xTrain, d.yTrain, {
-        epochs: epochs ?? c.localEpochs, batchSize: c.batchSize, lr: c.lr, seed: [c.seed, round, index],
+        epochs: epochs ?? t.localEpochs, batchSize: t.batchSize, lr: t.lr, seed: [c.seed, round, index],
       });
       samples += stats.samples;
       seconds += stats.seconds;

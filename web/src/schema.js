@@ -24,6 +24,9 @@ export const SCHEMAS = {
     {"name": "next_selection_at", "type": "number", "nullable": true, "default": null},
     {"name": "secagg_session", "type": "int", "low": 1, "high": 9007199254740991, "nullable": true, "default": null},
     {"name": "max_staleness", "type": "int", "low": 0, "high": 9007199254740991, "nullable": true, "default": null},
+    {"name": "lr", "type": "number", "nullable": true, "default": null},
+    {"name": "local_epochs", "type": "int", "low": 1, "high": 1000, "nullable": true, "default": null},
+    {"name": "batch_size", "type": "int", "low": 1, "high": 65536, "nullable": true, "default": null},
   ],
   Invitation: [
     {"name": "round", "type": "int", "low": 1, "high": 9007199254740991},

@@ -28,13 +28,19 @@ function saved(round, nSamples, metrics, update) {
 
 /** The engine's actions in the scenario's terms (make_scenarios.normalize): an update's frames as one entry,
  * Register's software as "*". */
+/** The round's training settings a job's RoundInfo carries (make_scenarios.py TRAINING_FIELDS), if any. */
+function training(info) {
+  const sent = Object.fromEntries(['lr', 'local_epochs', 'batch_size'].filter((f) => info[f] != null).map((f) => [f, info[f]]));
+  return Object.keys(sent).length ? { training: sent } : {};
+}
+
 function normalize(out, updateTopic, registerTopic) {
   const entries = [];
   let frames = [];
   out.forEach((action, i) => {
     if (action.job !== undefined) {
       entries.push(action.job === 'check' ? { job: 'check', round: action.round }
-        : { job: action.job, round: action.info.round, blob_id: action.info.blob_id });
+        : { job: action.job, round: action.info.round, blob_id: action.info.blob_id, ...training(action.info) });
     } else if (action.topic === updateTopic) {
       frames.push(action.payload);
       assert.equal(action.retain, false);
