@@ -1,6 +1,8 @@
 // npm run build: the page's static root, dist/ (what fedper.web_root() names and the coordinator serves): the
 // page's own ES modules as they are, and the three vendor files it loads, copied from node_modules (onnxruntime-web's
-// patched training build with its wasm, mqtt.js's browser module). Nothing is bundled or fetched.
+// patched training build with its wasm, mqtt.js's browser module). Nothing is bundled or fetched. The training
+// worker (worker.js) imports onnxruntime-web from the same vendor/ort/ as a page script would, and onnxruntime-web
+// finds its wasm and starts its thread workers beside that module.
 
 import { cpSync, mkdirSync, readdirSync, rmSync } from 'node:fs';
 import { dirname, join } from 'node:path';

@@ -1,27 +1,33 @@
 // The page: a device of the fleet. Reads /config.json (broker, fleet, artifacts; the URL's ?broker=, ?fleet=,
 // ?device= and the training options override it) and a provisioning link's #device=&password=, loads and checks the
 // export, keeps the user's images and the device's state in IndexedDB, and runs the agent over MQTT on WebSockets.
-// Everything else is in the modules.
+// Training runs in a Web Worker (worker.js), so the page answers taps meanwhile and shows each step's progress.
+// Its log is kept in localStorage (the last LOG_LINES lines), so a reload shows what came before. Everything else
+// is in the modules.
 
-import * as ort from './vendor/ort/ort.training.wasm.mjs';
 import mqtt from './vendor/mqtt.esm.js';
 import { Agent, DEFAULTS } from './agent.js';
-import { openArtifacts } from './artifacts.js';
+import { httpFiles, openArtifacts } from './artifacts.js';
 import { chanceWords } from './chance.js';
 import { localData } from './dataset.js';
 import { resizeBilinear } from './images.js';
+import { WorkerTrainer } from './remote.js';
 import { IndexedDBStore } from './store.js';
-import { Trainer } from './trainer.js';
 import { runAgent } from './transport.js';
 
 const $ = (id) => document.getElementById(id);
-const lines = [];
+const LOG_LINES = 500;
+const LOG_KEY = 'fedper-log';
+const lines = JSON.parse(localStorage.getItem(LOG_KEY) ?? '[]');
 
 function log(line) {
-  const stamped = `${new Date().toISOString().slice(11, 19)} ${line}`;
-  lines.push(stamped);
+  lines.push(`${new Date().toISOString().slice(11, 19)} ${line}`);
+  lines.splice(0, lines.length - LOG_LINES);
+  try {
+    localStorage.setItem(LOG_KEY, JSON.stringify(lines));
+  } catch { /* storage full or refused: the log still shows on the page */ }
   const box = $('log');
-  box.textContent += `${stamped}\n`;
+  box.textContent = `${lines.join('\n')}\n`;
   box.scrollTop = box.scrollHeight;
 }
 
@@ -42,6 +48,17 @@ function whyOneThread() {
   return 'one thread: this browser has no SharedArrayBuffer';
 }
 
+/** Over plain http (other than loopback) a browser withholds cross-origin isolation and crypto.subtle: say on screen
+ * what that costs this page and how the operator fixes it. */
+function explainPlainHttp() {
+  if (self.isSecureContext) return;
+  const box = $('lacks');
+  box.textContent = 'Plain http: the browser gives this page neither cross-origin isolation, so it trains on one thread '
+    + '(slower), nor crypto.subtle (not needed: it hashes in JavaScript). For threads, open the https address: '
+    + 'fedper-coordinator --web-cert/--web-key, or nginx (deploy/README.md).';
+  box.hidden = false;
+}
+
 /** The run's settings: config.json, then the URL's query parameters. */
 async function settings() {
   const response = await fetch('config.json').catch(() => null);
@@ -53,7 +70,8 @@ async function settings() {
     fleet: q.get('fleet') ?? config.fleet,
     artifacts: new URL(config.artifacts ?? 'artifacts/', location.href),
     device: q.get('device'),
-    threads: number('threads', canThread() ? Math.min(4, navigator.hardwareConcurrency || 1) : 1),
+    // one core stays with the page (its taps, its status) while the worker and its threads train on the others
+    threads: number('threads', canThread() ? Math.max(1, Math.min(4, (navigator.hardwareConcurrency || 1) - 1)) : 1),
     training: {
       lr: number('lr', DEFAULTS.lr), localEpochs: number('epochs', DEFAULTS.localEpochs),
       batchSize: number('batch', DEFAULTS.batchSize), seed: number('seed', DEFAULTS.seed),
@@ -95,20 +113,17 @@ async function decode(file, width, height) {
 }
 
 async function main() {
+  log(`page opened at ${location.host}`); // also shows the kept log: the lines above it are from before
+  explainPlainHttp();
   const s = await settings();
   const { device, password } = await identity(s.device);
   $('who').textContent = `device ${device} · fleet ${s.fleet ?? '?'} · broker ${s.broker ?? '?'}`;
   if (!s.broker || !s.fleet) throw new Error('no broker or fleet: open the URL the coordinator prints, or add ?broker=ws://HOST:PORT&fleet=NAME');
   const store = await IndexedDBStore.open(indexedDB, `fedper-${device}`);
-  const { manifest, read } = await openArtifacts(async (path) => {
-    const response = await fetch(new URL(path, s.artifacts));
-    if (!response.ok) throw new Error(`${path}: HTTP ${response.status}`);
-    return new Uint8Array(await response.arrayBuffer());
-  });
-  ort.env.wasm.numThreads = s.threads;
+  const { manifest } = await openArtifacts(httpFiles(s.artifacts));
   const started = performance.now();
-  const trainer = await Trainer.open(ort, manifest, read, { executionProviders: ['wasm'] });
-  log(`model ${manifest.model.architecture} (${manifest.algorithm}, ${manifest.classes.length} classes) ready in ${((performance.now() - started) / 1000).toFixed(1)} s; onnxruntime-web with ${s.threads} thread(s)${canThread() ? '' : ` (${whyOneThread()})`}`);
+  const trainer = await WorkerTrainer.open(manifest, s.artifacts, s.threads);
+  log(`model ${manifest.model.architecture} (${manifest.algorithm}, ${manifest.classes.length} classes) ready in ${((performance.now() - started) / 1000).toFixed(1)} s; onnxruntime-web with ${trainer.threads} thread(s) in a worker${canThread() ? '' : ` (${whyOneThread()})`}`);
 
   const [, height, width] = manifest.model.input_shape;
   let images = (await store.get('images')) ?? [];
@@ -127,8 +142,14 @@ async function main() {
     if (!info) return 'connecting…';
     const sent = agent.saved && agent.saved.round === info.round;
     const accuracy = agent.saved?.metrics?.accuracy;
-    return `round ${info.round} of ${info.rounds}: ${sent ? 'update sent' : 'taking part'}${accuracy === undefined ? '' : ` · accuracy ${(100 * accuracy).toFixed(1)} % (${chance})`}`;
+    return `round ${info.round} of ${info.rounds}: ${sent ? 'update sent' : 'taking part'}${accuracy === undefined ? '' : ` · accuracy ${(100 * accuracy).toFixed(1)} % (${chance})`}${training()}`;
   };
+  const training = () => {
+    const p = trainer.progress;
+    if (!p) return '';
+    return ` · training ${p.trained}: epoch ${p.epoch}/${p.epochs} · step ${p.step}/${p.steps} · ${p.samplesPerS.toFixed(0)} samples/s · ${Math.ceil(p.secondsLeft)} s left`;
+  };
+  trainer.onProgress = () => status(describe());
 
   const start = async () => {
     await store.put('joined', true);
@@ -177,6 +198,7 @@ async function main() {
   $('forget').addEventListener('click', async () => {
     await run?.stop();
     for (const key of ['device', 'images', 'split', 'final', 'joined']) await store.delete(key);
+    localStorage.removeItem(LOG_KEY);
     images = [];
     location.reload();
   });

@@ -17,3 +17,12 @@ export async function openArtifacts(fetchBytes) {
   };
   return { manifest, read };
 }
+
+/** fetchBytes over http: the export's files under `base` (a URL), an Error naming the file and the HTTP status. */
+export function httpFiles(base) {
+  return async (path) => {
+    const response = await fetch(new URL(path, base));
+    if (!response.ok) throw new Error(`${path}: HTTP ${response.status}`);
+    return new Uint8Array(await response.arrayBuffer());
+  };
+}

@@ -13,12 +13,44 @@ const SET_FILES = { checkpointState: 'checkpoint', trainModel: WEB_TRAINING_MODE
 
 export class TrainerError extends Error {}
 
-export class Trainer {
-  constructor(ort, manifest, sessions, params) {
-    this.ort = ort;
+/** The model as the contiguous parameter buffer (every manifest tensor, in manifest order), by name: what the agent
+ * loads and reads. The Trainer holds one beside its sessions; the page's WorkerTrainer (worker.js) a copy of the
+ * worker's. */
+export class Parameters {
+  constructor(manifest, params) {
     this.manifest = manifest;
-    this.sessions = sessions; // kind -> TrainingSession
     this.params = params; // Float32Array: the current value of every manifest tensor
+  }
+
+  /** Overwrite the named tensors (Map or object of name -> Float32Array). */
+  load(tensors) {
+    for (const [name, value] of tensors instanceof Map ? tensors : Object.entries(tensors)) {
+      const [offset, size] = this.offset(name);
+      if (value.length !== size) throw new TrainerError(`${name}: ${value.length} values, the manifest says ${size}`);
+      this.params.set(value, offset);
+    }
+  }
+
+  /** Copies of the named tensors as they are now. */
+  read(names) {
+    return new Map(names.map((name) => {
+      const [offset, size] = this.offset(name);
+      return [name, this.params.slice(offset, offset + size)];
+    }));
+  }
+
+  offset(name) {
+    const at = this.manifest.offsets.get(name);
+    if (!at) throw new TrainerError(`no tensor ${name} in the manifest`);
+    return at;
+  }
+}
+
+export class Trainer extends Parameters {
+  constructor(ort, manifest, sessions, params) {
+    super(manifest, params);
+    this.ort = ort;
+    this.sessions = sessions; // kind -> TrainingSession
     this.synced = new Set(sessions.keys()); // the sets whose session holds `params`
     this.current = sessions.has('all') ? 'all' : sessions.keys().next().value;
   }
@@ -48,28 +80,10 @@ export class Trainer {
     return new Trainer(ort, manifest, sessions, params);
   }
 
-  /** Overwrite the named tensors (Map or object of name -> Float32Array); no session holds them until used. */
+  /** Overwrite the named tensors; no session holds them until used. */
   load(tensors) {
-    for (const [name, value] of tensors instanceof Map ? tensors : Object.entries(tensors)) {
-      const [offset, size] = this.offset(name);
-      if (value.length !== size) throw new TrainerError(`${name}: ${value.length} values, the manifest says ${size}`);
-      this.params.set(value, offset);
-    }
+    super.load(tensors);
     this.synced.clear();
-  }
-
-  /** Copies of the named tensors as they are now. */
-  read(names) {
-    return new Map(names.map((name) => {
-      const [offset, size] = this.offset(name);
-      return [name, this.params.slice(offset, offset + size)];
-    }));
-  }
-
-  offset(name) {
-    const at = this.manifest.offsets.get(name);
-    if (!at) throw new TrainerError(`no tensor ${name} in the manifest`);
-    return at;
   }
 
   async use(kind) {
@@ -86,21 +100,27 @@ export class Trainer {
   }
 
   /** Plain SGD on the `trained` tensors over the kernel's batch order, keyed [...seed, epoch];
-   * x: float32 NCHW samples, y: labels. {samples, seconds, loss (mean over batches)}. */
-  async train(trained, x, y, { epochs, batchSize, lr, seed }) {
+   * x: float32 NCHW samples, y: labels; progress({trained, epoch, epochs, step, steps, samplesPerS, secondsLeft})
+   * after every step. {samples, seconds, loss (mean over batches)}. */
+  async train(trained, x, y, { epochs, batchSize, lr, seed, progress = () => {} }) {
     const kept = this.read(this.manifest.frozenStatistics(trained));
     const session = await this.use(trained);
     const rate = new this.ort.Tensor('float32', new Float32Array([lr]), []);
     const start = performance.now();
     const losses = [];
-    let samples = 0;
+    let samples = 0, step = 0;
     for (let epoch = 0; epoch < epochs; epoch++) {
-      for (const batch of epochBatches(y.length, batchSize, [...seed, epoch])) {
+      const batches = epochBatches(y.length, batchSize, [...seed, epoch]);
+      const steps = epochs * batches.length; // every epoch has as many batches
+      for (const batch of batches) {
         const out = await session.runTrainStep({ ...this.batch(x, y, batch), learning_rate: rate });
-        losses.push(out[session.trainingOutputNames[0]].data[0]); 
+        losses.push(out[session.trainingOutputNames[0]].data[0]);
         await session.runOptimizerStep();
         await session.lazyResetGrad();
         samples += batch.length;
+        step += 1;
+        const seconds = (performance.now() - start) / 1000;
+        progress({ trained, epoch: epoch + 1, epochs, step, steps, samplesPerS: samples / seconds, secondsLeft: (seconds / step) * (steps - step) });
       }
     }
     this.params = Float32Array.from((await session.getContiguousParameters(false)).data);

@@ -35,7 +35,14 @@ export function runAgent(agent, mqtt, url, { username, password, spreadS = 30, l
   if (typeof WebSocket !== 'undefined') {
     // offer both: websockify in front of a broker's TCP listener takes "binary", Mosquitto's own listener "mqtt".
     // "binary" first: websockify 0.10 splits the offer at commas without trimming, so it finds only the first.
-    options.createWebsocket = (wsUrl) => new WebSocket(wsUrl, ['binary', 'mqtt']);
+    // mqtt.js ends with close() and no code: the frame then carries none, and websockify 0.10 answers with the
+    // reserved code 1005, which the browser reports as "a broken close frame". 1000 is a normal closure.
+    options.createWebsocket = (wsUrl) => {
+      const socket = new WebSocket(wsUrl, ['binary', 'mqtt']);
+      const close = socket.close.bind(socket);
+      socket.close = (code = 1000, reason) => close(code, reason);
+      return socket;
+    };
   }
   const backoff = new Backoff(spreadS);
   let subscribed = new Set(), queue = Promise.resolve(), stopped = false, timer = null, wasConnected = false;

@@ -1,7 +1,12 @@
 // Drives Debian's chromium through puppeteer-core for tests/test_web_browser.py: opens the page as a phone would,
 // picks the images of each class with the file picker, joins, reloads the page once its round-`reloadAfter`
 // update is out (0: no reload), and waits for the run to finish. Prints one JSON line: what the page showed and logged.
-// With SHOTS=DIR it saves what a person sees, as PNGs: at start, mid-round (while taking part) and at the end.
+// From the join to the end it times page script calls every 50 ms (`responsiveMs`: those sent or answered while a
+// round trained, from sending to the answer; `idleMs` the others) and keeps the status lines shown while training. Before joining it
+// opens the same page by a name that is not loopback (phone.test, mapped to 127.0.0.1), which is plain http to the
+// browser, and keeps what the page says it lacks there (`plainHttp`).
+// With SHOTS=DIR it saves what a person sees, as PNGs: at start, mid-round (while training), at the end, and over
+// plain http.
 //
 //   node web/test/browser/drive.mjs URL IMAGES_DIR RELOAD_AFTER_ROUND TIMEOUT_S
 
@@ -13,15 +18,16 @@ const [url, imagesDir, reloadAfter, timeoutS] = process.argv.slice(2);
 const deadline = Date.now() + Number(timeoutS) * 1000;
 const browser = await puppeteer.launch({
   executablePath: process.env.CHROMIUM ?? '/usr/bin/chromium', headless: true,
-  args: ['--no-sandbox', '--disable-dev-shm-usage'], protocolTimeout: Number(timeoutS) * 1000,
+  args: ['--no-sandbox', '--disable-dev-shm-usage', '--host-resolver-rules=MAP phone.test 127.0.0.1'], protocolTimeout: Number(timeoutS) * 1000,
 });
-const result = { console: [] };
+const result = { console: [], responsiveMs: [], idleMs: [], trainingStatus: [] };
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 try {
   const page = await browser.newPage();
-  page.on('console', (m) => result.console.push(m.text()));
+  page.on('console', (m) => result.console.push(`${m.type()}: ${m.text()}`));
   page.on('pageerror', (e) => result.console.push(`pageerror: ${e.message}`));
   await page.setViewport({ width: 412, height: 915, deviceScaleFactor: 1, isMobile: true, hasTouch: true });
-  const shot = (name) => (process.env.SHOTS ? page.screenshot({ path: join(process.env.SHOTS, `${name}.png`), fullPage: true }) : null);
+  const shot = (name, on = page) => (process.env.SHOTS ? on.screenshot({ path: join(process.env.SHOTS, `${name}.png`), fullPage: true }) : null);
   const until = async (what, check, ...args) => {
     while (Date.now() < deadline) {
       const value = await page.evaluate(check, ...args).catch(() => null);
@@ -33,6 +39,14 @@ try {
   await page.goto(url);
   await until('the model', () => window.fedper !== undefined);
   result.isolated = await page.evaluate(() => self.crossOriginIsolated);
+  const plain = await browser.newPage();
+  const phone = new URL(url);
+  phone.hostname = 'phone.test';
+  await plain.goto(phone.href);
+  await plain.waitForSelector('#lacks:not([hidden])', { timeout: 30000 });
+  result.plainHttp = await plain.$eval('#lacks', (e) => e.textContent);
+  await shot('plain-http', plain);
+  await plain.close();
   for (const label of readdirSync(imagesDir).sort()) {
     await page.select('#class', label);
     const files = readdirSync(join(imagesDir, label)).sort().map((f) => join(imagesDir, label, f));
@@ -41,8 +55,23 @@ try {
   }
   await until('all images', () => !document.querySelector('#join').disabled);
   await shot('start');
+  result.lacksOnLoopback = await page.$eval('#lacks', (e) => !e.hidden);
   await page.click('#join');
-  await until('a round', () => document.querySelector('#status').textContent.includes('taking part'));
+  let sampling = true;
+  const sampler = (async () => { // the page's answer time while a round trains
+    let training = false;
+    while (sampling) {
+      const sent = performance.now();
+      const seen = await page.evaluate(() => (window.fedper?.trainer.progress ? document.querySelector('#status').textContent : '')).catch(() => null);
+      const ms = performance.now() - sent;
+      if (seen || (training && seen !== null)) result.responsiveMs.push(ms);
+      else if (seen !== null) result.idleMs.push(ms); // the same call between rounds: what the machine gives
+      if (seen && result.trainingStatus.length < 20) result.trainingStatus.push(seen);
+      training = Boolean(seen);
+      await sleep(50);
+    }
+  })();
+  await until('a round', () => window.fedper.trainer.progress !== null);
   await shot('mid-round');
   if (Number(reloadAfter) > 0) {
     result.reloadedAfter = await until(`the update of round ${reloadAfter}`, (k) => {
@@ -54,6 +83,8 @@ try {
     await until('the page to rejoin', () => window.fedper?.running());
   }
   result.final = (await until('the run to finish', () => window.fedper.agent()?.finalAccuracy != null && { accuracy: window.fedper.agent().finalAccuracy })).accuracy;
+  sampling = false;
+  await sampler;
   result.status = await page.$eval('#status', (e) => e.textContent);
   await shot('end');
   result.log = await page.evaluate(() => window.fedper.lines);
