@@ -1,4 +1,5 @@
-// Drives Debian's chromium through puppeteer-core for tests/test_web_browser.py: opens the page as a phone would,
+// Drives a browser engine (ENGINE=chromium, the default, firefox or webkit: engines.mjs) for tests/test_web_browser.py
+// and tests/test_web_engines.py: opens the page as a phone would,
 // picks the images of each class with the file picker, joins, reloads the page once its round-`reloadAfter`
 // update is out (0: no reload), and waits for the run to finish. Prints one JSON line: what the page showed and logged.
 // With SHOTS=DIR it saves what a person sees, as PNGs: at start, mid-round (while taking part) and at the end.
@@ -7,14 +8,11 @@
 
 import { readdirSync } from 'node:fs';
 import { join } from 'node:path';
-import puppeteer from 'puppeteer-core';
+import { ENGINE, launch } from './engines.mjs';
 
 const [url, imagesDir, reloadAfter, timeoutS] = process.argv.slice(2);
 const deadline = Date.now() + Number(timeoutS) * 1000;
-const browser = await puppeteer.launch({
-  executablePath: process.env.CHROMIUM ?? '/usr/bin/chromium', headless: true,
-  args: ['--no-sandbox', '--disable-dev-shm-usage'], protocolTimeout: Number(timeoutS) * 1000,
-});
+const browser = await launch(ENGINE, Number(timeoutS));
 const result = { console: [] };
 try {
   const page = await browser.newPage();
@@ -33,6 +31,7 @@ try {
   await page.goto(url);
   await until('the model', () => window.fedper !== undefined);
   result.isolated = await page.evaluate(() => self.crossOriginIsolated);
+  result.shared = await page.evaluate(() => typeof SharedArrayBuffer !== 'undefined');
   for (const label of readdirSync(imagesDir).sort()) {
     await page.select('#class', label);
     const files = readdirSync(join(imagesDir, label)).sort().map((f) => join(imagesDir, label, f));
