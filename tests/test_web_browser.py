@@ -83,6 +83,7 @@ def test_a_browser_page_takes_part_in_fedper_rounds(ws_broker, tiny_artifacts, p
     threads = [line for line in result["log"] if "onnxruntime-web with" in line]
     # threads where the page has shared memory (WebKitGTK has none even when isolated), else one and the reason why
     assert threads and ("one thread:" in threads[0]) != result["shared"], threads
+    assert [line for line in result["log"] if re.search(r"takes about \d+ MB in this tab; this (device|browser)", line)]
 
     assert result["reloadedAfter"] >= 2
     restored = [int(m[1]) for line in result["log"] if (m := re.search(r"restored the head of round (\d+)", line))]

@@ -9,6 +9,7 @@ import { Agent, DEFAULTS } from './agent.js';
 import { openArtifacts } from './artifacts.js';
 import { chanceWords } from './chance.js';
 import { localData } from './dataset.js';
+import { memoryLine } from './device_check.js';
 import { resizeBilinear } from './images.js';
 import { IndexedDBStore } from './store.js';
 import { Trainer } from './trainer.js';
@@ -109,6 +110,7 @@ async function main() {
   const started = performance.now();
   const trainer = await Trainer.open(ort, manifest, read, { executionProviders: ['wasm'] });
   log(`model ${manifest.model.architecture} (${manifest.algorithm}, ${manifest.classes.length} classes) ready in ${((performance.now() - started) / 1000).toFixed(1)} s; onnxruntime-web with ${s.threads} thread(s)${canThread() ? '' : ` (${whyOneThread()})`}`);
+  log(memoryLine(manifest, navigator.deviceMemory));
 
   const [, height, width] = manifest.model.input_shape;
   let images = (await store.get('images')) ?? [];
