@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test lint bench mosquitto websocket prometheus chromium web clean check-install check-aarch64
+.PHONY: install demo test lint bench mosquitto websocket prometheus browsers chromium firefox webkit web clean check-install check-aarch64
 
 install: $(STAMP)
 
@@ -53,19 +53,27 @@ web/dist/index.html: web/package.json web/package-lock.json web/build.mjs $(wild
 	@if command -v npm >/dev/null; then npm --prefix web ci --no-audit --no-fund --loglevel=error && npm --prefix web run build; \
 	else echo "npm is missing: the web agent is not built and its tests are skipped"; fi
 
-# The web agent's browser test drives Debian's chromium with puppeteer-core; installed like mosquitto.
-chromium:
-	@if command -v chromium >/dev/null; then :; \
+# The web agent's browser tests run the page in every engine a phone may have (Debian packages): chromium and
+# firefox-esr (puppeteer-core drives both; Debian ships no geckodriver, none is needed), WebKitGTK through
+# webkit2gtk-driver's WebKitWebDriver with xvfb for its display. Installed like mosquitto; a missing one's test skips.
+browsers:
+	@missing=""; command -v chromium >/dev/null || missing="chromium"; \
+	command -v firefox-esr >/dev/null || missing="$$missing firefox-esr"; \
+	command -v WebKitWebDriver >/dev/null || missing="$$missing webkit2gtk-driver"; \
+	command -v Xvfb >/dev/null || missing="$$missing xvfb"; \
+	if [ -z "$$missing" ]; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		echo "installing chromium (Debian package) for the web agent's browser test"; \
-		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium \
-			>/dev/null) || echo "could not install chromium: the browser test will be skipped"; \
-	else echo "chromium is missing and we are not root: the browser test will be skipped"; fi
+		echo "installing$$missing (Debian packages) for the web agent's browser tests"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing \
+			>/dev/null) || echo "could not install$$missing: the browser tests that need them will be skipped"; \
+	else echo "$$missing missing and we are not root: the browser tests that need them will be skipped"; fi
+
+chromium firefox webkit: browsers
 
 demo: install
 	$(BIN)/fedper demo
 
-test: install mosquitto websocket prometheus chromium web
+test: install mosquitto websocket prometheus browsers web
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest --durations=15
 	@if [ -f web/dist/index.html ]; then node --test web/test/*.test.mjs; else echo "web agent not built: node tests skipped"; fi

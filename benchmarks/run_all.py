@@ -19,7 +19,7 @@ from common import machine
 
 MODULES = ("device_training", "device_contention", "depthwise_graph", "coordinator", "wire", "round_latency",
            "emulator", "export_table", "secagg", "secagg_hostile", "fleet_scale", "upload_flood", "async_fleet",
-           "websocket_path", "web")
+           "websocket_path", "web", "web_engines")
 
 
 def main() -> None:

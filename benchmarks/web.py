@@ -1,8 +1,9 @@
 """The web agent measured: training in the page (Debian's chromium, onnxruntime-web 1.19.2 on 1 and 2 wasm threads,
 stock and `--graph fast` exports) against the Python agent's OrtBackend on the same machine and data, the page's
-session start, a FedPer round with the page over WebSockets (websockify in front of Mosquitto), and the accuracy a
-device reaches after several FedPer rounds as the page (its modules in node) and as a Python agent, with the same
-data, seed and fleet.
+session start, each engine's (chromium, firefox-esr, WebKitGTK: web/test/browser/engines.mjs) wasm threads,
+samples/s and tab memory (benchmarks/web_engines.py does so at three widths), a FedPer round with the page over
+WebSockets (websockify in front of Mosquitto), and the accuracy a device reaches after several FedPer rounds as the
+page (its modules in node) and as a Python agent, with the same data, seed and fleet.
 
 Every speed is a ratio measured in this run (page samples/s / Python samples/s), the median of `repeats`
 alternating measurements; the machine is shared, so only the ratios mean much.
@@ -13,6 +14,7 @@ alternating measurements; the machine is shared, so only the ratios mean much.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -40,18 +42,85 @@ from fedper.ports import free_port  # noqa: E402
 WEB = ROOT / "web"
 BATCH = 32
 LR = 0.01
+ENGINES = {"chromium": "chromium", "firefox": "firefox-esr", "webkit": "WebKitWebDriver"}  # engine: what it needs
 FLEET_TRAINING = {"lr": 0.05, "batch": 32, "epochs": 2, "images": 300}  # the accuracy fleets' devices, as the demo's
 
 
-def page_speed(export: Path, threads: int, samples: int, repeats: int) -> dict[str, Any]:
-    """The page's session start and samples/s (web/test/browser/bench.mjs) for `export` on `threads` threads."""
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc's parent links."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def holds_a_page(engine: str, words: list[str]) -> bool:
+    """Whether a process of `engine` renders web content, from its command line's words (chromium and firefox
+    rewrite theirs into one space-separated string)."""
+    if engine == "chromium":
+        return "--type=renderer" in words
+    if engine == "firefox":
+        return "-contentproc" in words and words[-1] == "tab"
+    return bool(words) and Path(words[0]).name == "WebKitWebProcess"
+
+
+def tab_rss_mb(pid: int, engine: str) -> float:
+    """The largest resident set, in MB, of the processes below `pid` that render a page."""
+    largest = 0.0
+    for child in descendants(pid):
+        try:
+            words = Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ").split()
+            if holds_a_page(engine, words):
+                status = Path(f"/proc/{child}/status").read_text()
+                rss_kb = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
+                largest = max(largest, rss_kb / 1000)
+        except (OSError, StopIteration):
+            continue
+    return largest
+
+
+def page_speed(export: Path, threads: int, samples: int, repeats: int, engine: str = "chromium") -> dict[str, Any]:
+    """The page's session start and samples/s (web/test/browser/bench.mjs) in `engine` for `export` on `threads`
+    threads (one where the page has no shared memory), and the tab's peak memory while it runs."""
     with WebServer(WEB / "dist", export, "bench", "ws://127.0.0.1:9/", host="127.0.0.1") as server:
-        done = subprocess.run(["node", str(WEB / "test" / "browser" / "bench.mjs"), server.url().rstrip("/"),
-                               str(threads), str(samples), str(BATCH), str(repeats)], cwd=WEB, capture_output=True,
-                              text=True, timeout=1800, check=False)
-    if done.returncode:
-        raise RuntimeError(f"the page's benchmark failed: {done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        command = ["node", str(WEB / "test" / "browser" / "bench.mjs"), server.url().rstrip("/"), str(threads),
+                   str(samples), str(BATCH), str(repeats)]
+        with subprocess.Popen(command, cwd=WEB, env={**os.environ, "ENGINE": engine}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) as node:
+            peak = 0.0
+            while node.poll() is None:
+                peak = max(peak, tab_rss_mb(node.pid, engine))
+                time.sleep(0.2)
+            out, err = node.communicate()
+    if node.returncode:
+        raise RuntimeError(f"the page's benchmark in {engine} failed: {err[-2000:]}")
+    return {**json.loads(out.strip().splitlines()[-1]), "tabPeakMB": peak}
+
+
+def engines_table(exports: dict[float, Path], samples: int, repeats: int) -> tuple[str, dict[str, Any]]:
+    """Every installed engine on every export (width -> export), 2 threads asked for: a table and its results."""
+    engines = [e for e, tool in ENGINES.items() if shutil.which(tool)]
+    rows, results = [], {}
+    for width, export in exports.items():
+        for engine in engines:
+            page = page_speed(export, 2, samples, repeats, engine)
+            results[f"{engine}-{width}"] = page
+            rows.append([engine, width, page["threads"], "yes" if page["isolated"] else "no",
+                         median(page["samplesPerS"]), page["startS"], round(page["tabPeakMB"])])
+    missing = ", ".join(sorted(set(ENGINES) - set(engines)))
+    header = ["engine", "width", "threads", "isolated", "samples/s", "session start s", "tab peak MB"]
+    asked = f"Every engine, 2 wasm threads asked for{f' ({missing} not installed)' if missing else ''}"
+    return f"{asked}:\n\n{table(header, rows)}", results
 
 
 def python_speed(export: Path, samples: int, repeats: int) -> list[float]:
@@ -170,6 +239,7 @@ def run(out: Path, quick: bool = False) -> str:
                 results[f"{graph}-{threads}"] = {"page": page, "python": python, "ratio": ratio}
                 rows.append([graph, threads, median(page["samplesPerS"]), median(python), ratio, page["startS"],
                              "yes" if page["isolated"] else "no"])
+        engines_text, results["engines"] = engines_table({width: Path(tmp) / "stock"}, samples, repeats)
         fleet = round_over_websockets(Path(tmp) / "stock", Path(tmp) / "round")
         accuracy_export = Path(tmp) / "fedper"
         export_artifacts(accuracy_export, model="mobilenet_v1", kp=2, num_classes=4, input_size=32, width=0.25,
@@ -183,6 +253,7 @@ def run(out: Path, quick: bool = False) -> str:
     write_json(out, "web", {"width": width, "batch": BATCH, "samples": samples, "results": results})
     text = table(["graph", "wasm threads", "page samples/s", "Python ORT samples/s", "page / Python",
                   "session start s", "isolated"], rows)
+    text += f"\n\n{engines_text}"
     if "round" in fleet:
         r = fleet["round"]
         text += (f"\n\nround 2 with the page over WebSockets and a Python agent over TCP: {r['bytes_received']} bytes "

@@ -10,6 +10,7 @@ import { Agent, DEFAULTS } from './agent.js';
 import { httpFiles, openArtifacts } from './artifacts.js';
 import { chanceWords } from './chance.js';
 import { localData } from './dataset.js';
+import { memoryLine } from './device_check.js';
 import { resizeBilinear } from './images.js';
 import { WorkerTrainer } from './remote.js';
 import { IndexedDBStore } from './store.js';
@@ -124,6 +125,7 @@ async function main() {
   const started = performance.now();
   const trainer = await WorkerTrainer.open(manifest, s.artifacts, s.threads);
   log(`model ${manifest.model.architecture} (${manifest.algorithm}, ${manifest.classes.length} classes) ready in ${((performance.now() - started) / 1000).toFixed(1)} s; onnxruntime-web with ${trainer.threads} thread(s) in a worker${canThread() ? '' : ` (${whyOneThread()})`}`);
+  log(memoryLine(manifest, navigator.deviceMemory));
 
   const [, height, width] = manifest.model.input_shape;
   let images = (await store.get('images')) ?? [];

@@ -1,17 +1,15 @@
-// The page's training speed in Debian's chromium, for benchmarks/web.py: on a cross-origin isolated page of the
-// served root, import the page's own modules, open the export's sets (timed: the session start) with onnxruntime-web
-// on THREADS wasm threads, and train the page's Trainer on random 32x32 data, one warm-up epoch then REPEATS
-// measured ones. Prints one JSON line: {startS, samplesPerS: [...], isolated, threads}.
+// The page's training speed in a browser engine (ENGINE=chromium, the default, firefox or webkit: engines.mjs), for
+// benchmarks/web.py and benchmarks/web_engines.py: on a cross-origin isolated page of the served root, import the
+// page's own modules, open the export's sets (timed: the session start) with onnxruntime-web on THREADS wasm threads
+// (one where the page has no shared memory, as the page does), and train the page's Trainer on random 32x32 data,
+// one warm-up epoch then REPEATS measured ones. Prints one JSON line: {startS, samplesPerS: [...], isolated, threads}.
 //
 //   node web/test/browser/bench.mjs ORIGIN THREADS SAMPLES BATCH REPEATS
 
-import puppeteer from 'puppeteer-core';
+import { ENGINE, launch } from './engines.mjs';
 
 const [origin, threads, samples, batch, repeats] = process.argv.slice(2);
-const browser = await puppeteer.launch({
-  executablePath: process.env.CHROMIUM ?? '/usr/bin/chromium', headless: true,
-  args: ['--no-sandbox', '--disable-dev-shm-usage'], protocolTimeout: 1_800_000,
-});
+const browser = await launch(ENGINE, 1800);
 try {
   const page = await browser.newPage();
   await page.goto(`${origin}/config.json`); // any page of the origin: same origin as the modules, isolated
@@ -19,7 +17,7 @@ try {
     const ort = await import('/vendor/ort/ort.training.wasm.mjs');
     const { openArtifacts } = await import('/artifacts.js');
     const { Trainer } = await import('/trainer.js');
-    ort.env.wasm.numThreads = threadCount;
+    ort.env.wasm.numThreads = self.crossOriginIsolated && typeof SharedArrayBuffer !== 'undefined' ? threadCount : 1;
     const { manifest, read } = await openArtifacts(async (path) => new Uint8Array(await (await fetch(`/artifacts/${path}`)).arrayBuffer()));
     const files = {};
     for (const folder of Object.values(manifest.artifactSets)) {

@@ -1,4 +1,5 @@
-// Drives Debian's chromium through puppeteer-core for tests/test_web_browser.py: opens the page as a phone would,
+// Drives a browser engine (ENGINE=chromium, the default, firefox or webkit: engines.mjs) for tests/test_web_browser.py
+// and tests/test_web_engines.py: opens the page as a phone would,
 // picks the images of each class with the file picker, joins, reloads the page once its round-`reloadAfter`
 // update is out (0: no reload), and waits for the run to finish. Prints one JSON line: what the page showed and logged.
 // From the join to the end it times page script calls every 50 ms (`responsiveMs`: those sent or answered while a
@@ -12,14 +13,11 @@
 
 import { readdirSync } from 'node:fs';
 import { join } from 'node:path';
-import puppeteer from 'puppeteer-core';
+import { ENGINE, launch } from './engines.mjs';
 
 const [url, imagesDir, reloadAfter, timeoutS] = process.argv.slice(2);
 const deadline = Date.now() + Number(timeoutS) * 1000;
-const browser = await puppeteer.launch({
-  executablePath: process.env.CHROMIUM ?? '/usr/bin/chromium', headless: true,
-  args: ['--no-sandbox', '--disable-dev-shm-usage', '--host-resolver-rules=MAP phone.test 127.0.0.1'], protocolTimeout: Number(timeoutS) * 1000,
-});
+const browser = await launch(ENGINE, Number(timeoutS));
 const result = { console: [], responsiveMs: [], idleMs: [], trainingStatus: [] };
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 try {
@@ -39,14 +37,17 @@ try {
   await page.goto(url);
   await until('the model', () => window.fedper !== undefined);
   result.isolated = await page.evaluate(() => self.crossOriginIsolated);
-  const plain = await browser.newPage();
-  const phone = new URL(url);
-  phone.hostname = 'phone.test';
-  await plain.goto(phone.href);
-  await plain.waitForSelector('#lacks:not([hidden])', { timeout: 30000 });
-  result.plainHttp = await plain.$eval('#lacks', (e) => e.textContent);
-  await shot('plain-http', plain);
-  await plain.close();
+  result.shared = await page.evaluate(() => typeof SharedArrayBuffer !== 'undefined');
+  if (ENGINE === 'chromium') { // the name phone.test is mapped to 127.0.0.1 by chromium's --host-resolver-rules
+    const plain = await browser.newPage();
+    const phone = new URL(url);
+    phone.hostname = 'phone.test';
+    await plain.goto(phone.href);
+    await plain.waitForSelector('#lacks:not([hidden])', { timeout: 30000 });
+    result.plainHttp = await plain.$eval('#lacks', (e) => e.textContent);
+    await shot('plain-http', plain);
+    await plain.close();
+  }
   for (const label of readdirSync(imagesDir).sort()) {
     await page.select('#class', label);
     const files = readdirSync(join(imagesDir, label)).sort().map((f) => join(imagesDir, label, f));
