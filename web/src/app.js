@@ -55,7 +55,8 @@ function explainPlainHttp() {
   if (self.isSecureContext) return;
   const box = $('lacks');
   box.textContent = 'Plain http: the browser gives this page neither cross-origin isolation, so it trains on one thread '
-    + '(slower), nor crypto.subtle (not needed: it hashes in JavaScript). For threads, open the https address: '
+    + '(slower), nor a wake lock (keep the screen on), nor crypto.subtle (not needed: it hashes in JavaScript). '
+    + 'For threads, open the https address: '
     + 'fedper-coordinator --web-cert/--web-key, or nginx (deploy/README.md).';
   box.hidden = false;
 }
