@@ -2,7 +2,7 @@
 
 benchmarks/chaos_check.py proves the invariants from what the parties logged and published.
 
-    python benchmarks/chaos_soak.py [--minutes 30] [--modes sync] [--devices 24] [--out runs/chaos] [--quick]
+    python benchmarks/chaos_soak.py [--minutes 30] [--modes sync,async,dp] [--devices 24] [--out runs/chaos] [--quick]
 
 Each mode runs twice for the same wall time: without faults, then under the nemesis, which at random
 intervals (a few seconds) and together: kills the coordinator with SIGKILL and restarts it on the same
@@ -17,9 +17,9 @@ safetensors file per update, with n_samples and round in its metadata) under sen
 must never leave it, goes to heads/. A capture client subscribed to `#` writes every message it sees to
 capture.bin (reconnecting after each broker restart).
 
-Left out in this stop (see docs/reliability.md): --mode async, secure aggregation and central DP runs;
-real agents in the fleet; the coordinator clock jump (the
-coordinator reads time.time()/time.monotonic() directly and has no injectable clock or environment hook).
+Modes: sync (rounds with selection), async (FedBuff versions, K = 4 of 8 training) and dp (sync rounds
+with central DP, z = 0.1 so that the checker sees one update above the noise). Left out (see
+docs/reliability.md): secure aggregation; real agents in the fleet; the coordinator clock jump.
 """
 
 from __future__ import annotations
@@ -54,8 +54,14 @@ FLEET = "chaos"
 TOPICS = Topics(FLEET)
 FLOATS = 4096
 CHUNK = 4096  # several chunks per update, so an upload can break halfway
-MODES = ("sync",)  # async, secure and dp: not yet (docs/reliability.md, "Chaos soak")
 SYNC = ("--clients-per-round", "6", "--over-select", "1.3", "--min-clients", "3", "--round-timeout", "4")
+MODES = {  # the coordinator's options per mode; secure aggregation: not yet (docs/reliability.md, "Chaos soak")
+    "sync": SYNC,
+    "async": ("--mode", "async", "--clients-per-round", "8", "--buffer-size", "4", "--max-staleness", "6",
+              "--round-timeout", "4"),
+    # z small on purpose: the checker must see one update's clipped delta (C / m) above the noise (z C / m)
+    "dp": (*SYNC, "--clip-norm", "5", "--dp-noise-multiplier", "0.1"),
+}
 
 
 def update_of(manifest: Manifest, device: str, round_: int) -> tuple[int, dict[str, np.ndarray]]:
@@ -310,7 +316,7 @@ def run_mode(mode: str, seconds: float, devices: int, out: Path, faulty: bool) -
     broker = start_mosquitto(out, port)
     capture = spawn("capture_main", port, str(out))
     fleet = spawn("devices_main", devices, port, str(out), faulty)
-    coordinator = start_coordinator(out, port, SYNC)
+    coordinator = start_coordinator(out, port, MODES[mode])
     faults_path, rng = out / "faults.jsonl", random.Random(1)
     counts: dict[str, int] = {}
     unreadable: list[str] = []
@@ -322,7 +328,7 @@ def run_mode(mode: str, seconds: float, devices: int, out: Path, faulty: bool) -
             if coordinator.poll() is not None:  # it died without the nemesis: a finding
                 crashes.append(f"coordinator exited {coordinator.returncode} on its own")
                 log_fault(faults_path, "coordinator_crash", code=coordinator.returncode)
-                coordinator = start_coordinator(out, port, SYNC)
+                coordinator = start_coordinator(out, port, MODES[mode])
             if not faulty:
                 continue
             kind = rng.choices(["coordinator_kill", "broker_restart"], [3, 1])[0]
@@ -333,7 +339,7 @@ def run_mode(mode: str, seconds: float, devices: int, out: Path, faulty: bool) -
                 coordinator.wait()
                 unreadable += state_readable(out / "state")
                 time.sleep(rng.uniform(0.0, 1.0))
-                coordinator = start_coordinator(out, port, SYNC)
+                coordinator = start_coordinator(out, port, MODES[mode])
             else:
                 broker.terminate()
                 broker.wait(10)
@@ -361,7 +367,8 @@ def run_mode(mode: str, seconds: float, devices: int, out: Path, faulty: bool) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=30.0, help="run time per mode under faults (default 30)")
-    parser.add_argument("--modes", default="sync", help="comma-separated modes (this stop: sync only)")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated modes among {', '.join(MODES)} "
+                        "(default: all)")
     parser.add_argument("--devices", type=int, default=24, help="scripted devices (default 24)")
     parser.add_argument("--out", type=Path, default=Path("runs/chaos"), help="folder for logs, captures, results")
     parser.add_argument("--quick", action="store_true", help="sync only, 1 minute, 12 devices (make test's form)")
