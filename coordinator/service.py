@@ -98,6 +98,7 @@ def _publish(client: mqtt.Client, coordinator: Coordinator, messages: list[Outgo
     model broadcast is timed until the broker acknowledged it, as seen at this call or a later one."""
     coordinator.note_sent(sum(len(m.payload) for m in messages))
     sent = [(m, client.publish(m.topic, m.payload, qos=m.qos, retain=m.retain)) for m in messages]
+    coordinator.note_published(time.time())
     chunks = [info for m, info in sent if m.broadcast]
     if chunks and not broadcast.pending:
         broadcast.started = time.perf_counter()
