@@ -53,6 +53,8 @@ from fedper.wire import Invitation, Register, RoundInfo, Topics, UpdateMeta, chu
 FLEET = "chaos"
 TOPICS = Topics(FLEET)
 FLOATS = 4096
+FAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1"  # Debian's faketime (make faketime)
+GROUP = 4  # scripted devices per process: a SIGKILL takes a group
 CHUNK = 4096  # several chunks per update, so an upload can break halfway
 SYNC = ("--clients-per-round", "6", "--over-select", "1.3", "--min-clients", "3", "--round-timeout", "4")
 MODES = {  # the coordinator's options per mode; secure aggregation: not yet (docs/reliability.md, "Chaos soak")
@@ -77,6 +79,13 @@ def samples_of(index: int) -> int:
     return 1 + index % 4
 
 
+def save_atomic(tensors: dict[str, np.ndarray], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """A device killed with SIGKILL leaves its copy whole or absent (written aside, then renamed)."""
+    aside = path.with_name(path.name + ".part")
+    save_file(tensors, str(aside), metadata=metadata)
+    os.replace(aside, path)
+
+
 def log_fault(path: Path, kind: str, **detail: Any) -> None:
     """One line per fault; O_APPEND keeps the devices' and the nemesis' lines whole."""
     with open(path, "a") as f:
@@ -92,6 +101,7 @@ class Blackhole:
 
     def __init__(self, port: int) -> None:
         self.port, self.cut_until = port, 0.0
+        self.writers: set[asyncio.StreamWriter] = set()
         self.server: asyncio.base_events.Server | None = None
 
     async def start(self) -> int:
@@ -100,6 +110,11 @@ class Blackhole:
 
     def cut(self, seconds: float) -> None:
         self.cut_until = time.monotonic() + seconds
+
+    def close(self) -> None:
+        """The network goes at once: both sides of every proxied connection reset."""
+        for writer in list(self.writers):
+            writer.transport.abort()
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -119,8 +134,10 @@ class Blackhole:
         except OSError:
             writer.close()
             return
+        self.writers |= {writer, up_writer}
         with contextlib.suppress(asyncio.CancelledError):  # the fleet's loop ends: nothing to report
             await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer))
+        self.writers -= {writer, up_writer}
 
 
 async def device_life(index: int, port: int, out: Path, faulty: bool, stop: asyncio.Event) -> None:
@@ -133,7 +150,7 @@ async def device_life(index: int, port: int, out: Path, faulty: bool, stop: asyn
     manifest, name = manifest_of(FLOATS), f"dev-{index:03d}"
     head = {t.name: np.random.default_rng(index).normal(size=t.shape).astype(np.float32)
             for t in manifest.tensors if not t.shared}
-    save_file(head, str(out / "heads" / f"{name}.safetensors"))
+    save_atomic(head, out / "heads" / f"{name}.safetensors")
     rng = random.Random(index)
     while not stop.is_set():
         left = await connection(Device(index, name, manifest, out, faulty, rng), port, stop)
@@ -145,9 +162,13 @@ async def cut_network(proxy: Blackhole, out: Path, name: str, stop: asyncio.Even
     rng = random.Random(name)
     while not stop.is_set():
         await asyncio.sleep(rng.uniform(10, 30))
-        seconds = rng.uniform(3, 12)
-        log_fault(out / "faults.jsonl", "network_cut", device=name, seconds=round(seconds, 1))
-        proxy.cut(seconds)
+        if rng.random() < 0.5:
+            seconds = rng.uniform(3, 12)
+            log_fault(out / "faults.jsonl", "network_cut", device=name, seconds=round(seconds, 1))
+            proxy.cut(seconds)
+        else:
+            log_fault(out / "faults.jsonl", "network_reset", device=name)
+            proxy.close()
 
 
 @dataclass
@@ -172,7 +193,7 @@ async def connection(device: Device, port: int, stop: asyncio.Event) -> bool:
         await asyncio.sleep(rng.uniform(0.1, 1.0))
         n, tensors = update_of(manifest, name, round_)
         path = device.out / "sent" / f"{name}-r{round_}-{time.time_ns()}.safetensors"
-        save_file(tensors, str(path), metadata={"n_samples": str(n), "round": str(round_), "device": name})
+        save_atomic(tensors, path, {"n_samples": str(n), "round": str(round_), "device": name})
         frames = chunk(encode_shared(manifest, tensors), CHUNK, f"r{round_}-{name}",
                        UpdateMeta(round_, n, manifest.base_digest, {}).to_dict())
         cut = device.faulty and rng.random() < 0.1
@@ -229,12 +250,12 @@ def _quiet(ack: asyncio.Future[None] | None) -> None:
         ack.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
-def devices_main(count: int, port: int, out: str, faulty: bool) -> None:
-    """One process for the whole scripted fleet; SIGTERM ends it."""
+def devices_main(indices: list[int], port: int, out: str, faulty: bool) -> None:
+    """One process for a group of scripted devices (so that SIGKILL takes a few at once); SIGTERM ends it."""
     async def run() -> None:
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-        await asyncio.gather(*(device_life(i, port, Path(out), faulty, stop) for i in range(count)))
+        await asyncio.gather(*(device_life(i, port, Path(out), faulty, stop) for i in indices))
 
     asyncio.run(run())
 
@@ -271,12 +292,18 @@ def capture_main(port: int, out: str) -> None:
 # ------------------------------------------------------------ the coordinator and the nemesis
 
 
-def start_coordinator(out: Path, port: int, mode_args: tuple[str, ...]) -> subprocess.Popen[bytes]:
+def start_coordinator(out: Path, port: int, mode_args: tuple[str, ...], clock: bool) -> subprocess.Popen[bytes]:
+    """The coordinator's process; with `clock`, under libfaketime, its wall clock offset by what out/clock says
+    (read at every call: FAKETIME_NO_CACHE), its monotonic clock left alone, as an NTP step would."""
     log = open(out / "coordinator.log", "ab")  # noqa: SIM115 (the child holds it)
+    env = dict(os.environ)
+    if clock:
+        env |= {"LD_PRELOAD": FAKETIME, "FAKETIME_TIMESTAMP_FILE": str(out / "clock"), "FAKETIME_NO_CACHE": "1",
+                "FAKETIME_DONT_FAKE_MONOTONIC": "1", "FAKETIME_FORCE_MONOTONIC_FIX": "1"}
     return subprocess.Popen(
         [sys.executable, "-m", "fedper.coordinator.cli", "--artifacts", str(out / "export"), "--fleet", FLEET,
          "--broker", f"mqtt://127.0.0.1:{port}", "--rounds", "100000", "--state-dir", str(out / "state"),
-         "--chunk-size", str(CHUNK), *mode_args], stdout=log, stderr=subprocess.STDOUT)
+         "--chunk-size", str(CHUNK), *mode_args], stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 def state_readable(state_dir: Path) -> list[str]:
@@ -299,6 +326,14 @@ def state_readable(state_dir: Path) -> list[str]:
     return problems
 
 
+def uploading(out: Path, group: list[int]) -> list[str]:
+    """The group's devices that wrote their copy of an update within the last second: likely mid-upload."""
+    names = {f"dev-{i:03d}" for i in group}
+    recent = time.time() - 1.0
+    return sorted({p.name.rsplit("-r", 1)[0] for p in (out / "sent").glob("*.safetensors")
+                   if p.name.rsplit("-r", 1)[0] in names and p.stat().st_mtime > recent})
+
+
 def spawn(target: str, *args: Any) -> subprocess.Popen[bytes]:
     here = Path(__file__).resolve().parent
     code = f"import sys; sys.path.insert(0, {str(here)!r}); import chaos_soak; chaos_soak.{target}(*{args!r})"
@@ -315,8 +350,11 @@ def run_mode(mode: str, seconds: float, devices: int, out: Path, faulty: bool) -
     port = free_port()
     broker = start_mosquitto(out, port)
     capture = spawn("capture_main", port, str(out))
-    fleet = spawn("devices_main", devices, port, str(out), faulty)
-    coordinator = start_coordinator(out, port, MODES[mode])
+    groups = [list(range(i, min(i + GROUP, devices))) for i in range(0, devices, GROUP)]
+    fleet = [spawn("devices_main", group, port, str(out), faulty) for group in groups]
+    clock = faulty and Path(FAKETIME).exists()
+    (out / "clock").write_text("+0\n")
+    coordinator = start_coordinator(out, port, MODES[mode], clock)
     faults_path, rng = out / "faults.jsonl", random.Random(1)
     counts: dict[str, int] = {}
     unreadable: list[str] = []
@@ -328,10 +366,11 @@ def run_mode(mode: str, seconds: float, devices: int, out: Path, faulty: bool) -
             if coordinator.poll() is not None:  # it died without the nemesis: a finding
                 crashes.append(f"coordinator exited {coordinator.returncode} on its own")
                 log_fault(faults_path, "coordinator_crash", code=coordinator.returncode)
-                coordinator = start_coordinator(out, port, MODES[mode])
+                coordinator = start_coordinator(out, port, MODES[mode], clock)
             if not faulty:
                 continue
-            kind = rng.choices(["coordinator_kill", "broker_restart"], [3, 1])[0]
+            kind = rng.choices(["coordinator_kill", "broker_restart", "devices_kill9", "clock_jump"],
+                               [3, 1, 1, 1 if clock else 0])[0]
             counts[kind] = counts.get(kind, 0) + 1
             log_fault(faults_path, kind)
             if kind == "coordinator_kill":
@@ -339,7 +378,18 @@ def run_mode(mode: str, seconds: float, devices: int, out: Path, faulty: bool) -
                 coordinator.wait()
                 unreadable += state_readable(out / "state")
                 time.sleep(rng.uniform(0.0, 1.0))
-                coordinator = start_coordinator(out, port, MODES[mode])
+                coordinator = start_coordinator(out, port, MODES[mode], clock)
+            elif kind == "clock_jump":  # the new offset from true time: forward or back by up to a minute
+                offset = rng.randint(-60, 60)
+                (out / "clock").write_text(f"{offset:+d}s\n")
+                log_fault(faults_path, "clock_offset", seconds=offset)
+            elif kind == "devices_kill9":
+                g = rng.randrange(len(groups))
+                fleet[g].send_signal(signal.SIGKILL)
+                fleet[g].wait()
+                log_fault(faults_path, "devices_killed", devices=groups[g], uploading=uploading(out, groups[g]))
+                time.sleep(rng.uniform(0.5, 2.0))
+                fleet[g] = spawn("devices_main", groups[g], port, str(out), faulty)
             else:
                 broker.terminate()
                 broker.wait(10)
@@ -349,15 +399,18 @@ def run_mode(mode: str, seconds: float, devices: int, out: Path, faulty: bool) -
         coordinator.send_signal(signal.SIGKILL)
         coordinator.wait()
         unreadable += state_readable(out / "state")
-        for proc in (fleet, capture):
+        for proc in (*fleet, capture):
             proc.terminate()
             proc.wait(20)
         broker.terminate()
         broker.wait(10)
     for line in faults_path.read_text().splitlines() if faults_path.exists() else []:
-        kind = json.loads(line)["kind"]
-        if kind.startswith("device") or kind in ("coordinator_crash", "network_cut"):
+        fault = json.loads(line)
+        kind = fault["kind"]
+        if kind.startswith("device_") or kind in ("coordinator_crash", "network_cut", "network_reset"):
             counts[kind] = counts.get(kind, 0) + 1
+        if kind == "devices_killed":
+            counts["devices_killed_mid_upload"] = counts.get("devices_killed_mid_upload", 0) + len(fault["uploading"])
     summary = {"mode": mode, "seconds": seconds, "faulty": faulty, "faults": counts, "unreadable_state": unreadable,
                "crashes": crashes}
     (out / "soak.json").write_text(json.dumps(summary, indent=2) + "\n")
