@@ -362,7 +362,7 @@ def run_mode(mode: str, seconds: float, devices: int, out: Path, faulty: bool) -
         print(f"no clock jumps: {FAKETIME} missing (make faketime, or apt-get install faketime)")
     (out / "clock").write_text("+0\n")
     coordinator = start_coordinator(out, port, MODES[mode], clock)
-    faults_path, rng = out / "faults.jsonl", random.Random(1)
+    faults_path, rng = out / "faults.jsonl", random.Random(f"nemesis-{mode}")
     counts: dict[str, int] = {}
     unreadable: list[str] = []
     crashes: list[str] = []
@@ -377,7 +377,7 @@ def run_mode(mode: str, seconds: float, devices: int, out: Path, faulty: bool) -
             if not faulty:
                 continue
             kind = rng.choices(["coordinator_kill", "broker_restart", "devices_kill9", "clock_jump"],
-                               [3, 1, 1, 1 if clock else 0])[0]
+                               [3, 2, 1, 1 if clock else 0])[0]
             counts[kind] = counts.get(kind, 0) + 1
             log_fault(faults_path, kind)
             if kind == "coordinator_kill":
