@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test lint bench mosquitto websocket prometheus browsers chromium firefox webkit web clean check-install check-aarch64
+.PHONY: install demo test lint bench mosquitto faketime websocket prometheus browsers chromium firefox webkit web clean check-install check-aarch64
 
 install: $(STAMP)
 
@@ -23,6 +23,16 @@ mosquitto:
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto mosquitto-clients >/dev/null) \
 		|| echo "could not install mosquitto: its tests will be skipped"; \
 	else echo "mosquitto or mosquitto-clients is missing and we are not root: the Mosquitto tests will be skipped"; fi
+
+# The chaos soak (benchmarks/chaos_soak.py, its quick form in the tests) steps the coordinator's clock with Debian's
+# libfaketime; without it the soak runs without clock jumps and says so.
+faketime:
+	@if [ -e /usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1 ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing faketime (Debian package) for the chaos soak's clock jumps"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq faketime >/dev/null) \
+		|| echo "could not install faketime: the chaos soak runs without clock jumps"; \
+	else echo "faketime is missing and we are not root: the chaos soak runs without clock jumps"; fi
 
 # The web agent's tests reach Mosquitto over WebSockets through websockify, and deploy's path for phones through nginx
 # in front of it (Debian packages), installed the same way.
@@ -73,7 +83,7 @@ chromium firefox webkit: browsers
 demo: install
 	$(BIN)/fedper demo
 
-test: install mosquitto websocket prometheus browsers web
+test: install mosquitto faketime websocket prometheus browsers web
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest --durations=15
 	@if [ -f web/dist/index.html ]; then node --test web/test/*.test.mjs; else echo "web agent not built: node tests skipped"; fi

@@ -78,13 +78,130 @@ def blobs(messages: list[tuple[str, bytes]], prefix: str) -> dict[str, bytes]:
     return out
 
 
+Sent = dict[tuple[str, int], list[tuple[int, dict[str, np.ndarray]]]]
+
+
+def _updates(r: dict[str, Any], sent: Sent, pairs: list[tuple[str, int]]) -> tuple[list[str], list[int],
+                                                                                    list[dict[str, np.ndarray]]]:
+    """Problems, and the n_samples and tensors of the listed (device, round) updates from the devices' copies."""
+    missing = [f"{d}@{k}" for d, k in pairs if (d, k) not in sent]
+    if missing:
+        return [f"round {r['round']}: updates listed that no device sent: {missing}"], [], []
+    return [], [sent[p][0][0] for p in pairs], [sent[p][0][1] for p in pairs]
+
+
+def _released(k: int, expected: dict[str, np.ndarray], candidates: list[bytes], what: str) -> list[str]:
+    if any(all(np.allclose(load(blob)[name], value, rtol=0, atol=ATOL) for name, value in expected.items())
+           for blob in candidates):
+        return []
+    worst = max(float(np.max(np.abs(load(candidates[0])[name] - value))) for name, value in expected.items())
+    return [f"round {k}: released model r{k + 1} is not {what} (max error {worst:.3g})"]
+
+
+def check_mean_round(r: dict[str, Any], sent: Sent, models: dict[str, list[bytes]], candidates: list[bytes],
+                     folded_in: dict[str, int]) -> tuple[list[str], int]:
+    """Synchronous round k: the model after it is sum(n_j u_j) / sum(n_j) over its participants."""
+    k = r["round"]
+    problems, n, updates = _updates(r, sent, [(d, k) for d in r["devices"]])
+    if problems:
+        return problems, 0
+    if sum(n) != r["n_samples"]:
+        problems.append(f"round {k}: n_samples {r['n_samples']} != {sum(n)}, the sum of its participants'")
+    if not candidates:
+        return problems, 0  # released while the capture was away (a broker restart): not checkable, not a violation
+    expected = {name: sum(nj * u[name].astype(np.float64) for nj, u in zip(n, updates, strict=True)) / sum(n)
+                for name in updates[0]}
+    return problems + _released(k, expected, candidates, f"the weighted mean of its {len(n)} updates"), 1
+
+
+def check_version(r: dict[str, Any], sent: Sent, models: dict[str, list[bytes]], candidates: list[bytes],
+                  folded_in: dict[str, int]) -> tuple[list[str], int]:
+    """Async version k (FedBuff, docs/protocol.md 8.2): r{k+1} = r{k} + sum(n_j w(s_j) (u_j - r{k_j})) / sum(n_j)
+    with s_j = k - k_j and w(s) = 1 / sqrt(1 + s) (the soak's default staleness function); each update id
+    (device@round) folded into one version only; staleness within max_staleness."""
+    k, buffer = r["round"], r["buffer"]
+    problems = []
+    pairs = []
+    for update_id in buffer["updates"]:
+        device, trained_on = update_id.rsplit("@", 1)
+        pairs.append((device, int(trained_on)))
+        if folded_in.setdefault(update_id, k) != k:
+            problems.append(f"version {k}: update {update_id} folded again (first in version {folded_in[update_id]})")
+    staleness = [k - kj for _, kj in pairs]
+    if staleness != buffer["staleness"] or any(s < 0 or s > buffer["max_staleness"] for s in staleness):
+        problems.append(f"version {k}: staleness {buffer['staleness']} recorded, {staleness} by the rounds named")
+    more, n, updates = _updates(r, sent, pairs)
+    if more:
+        return problems + more, 0
+    cap = r.get("weight_cap", float("inf"))
+    weights = [min(nj, cap) for nj in n]
+    if sum(n) != r["n_samples"]:
+        problems.append(f"version {k}: n_samples {r['n_samples']} != {sum(n)}, the sum of its updates'")
+    bases = [models.get(f"r{kj}", []) for _, kj in pairs] + [models.get(f"r{k}", [])]
+    if not candidates or not all(bases):
+        return problems, 0  # a model the capture missed (a broker restart): not checkable, not a violation
+    model = {name: value.astype(np.float64) for name, value in load(bases[-1][0]).items()}
+    step = {name: np.zeros_like(value) for name, value in model.items()}
+    for w, s, u, base in zip(weights, staleness, updates, bases, strict=False):
+        start = load(base[0])
+        for name in step:
+            step[name] += w / np.sqrt(1.0 + s) * (u[name].astype(np.float64) - start[name].astype(np.float64))
+    expected = {name: model[name] + step[name] / sum(weights) for name in model}
+    return problems + _released(k, expected, candidates, f"r{k} plus the staleness-weighted mean of its "
+                                                         f"{len(n)} deltas"), 1
+
+
+def check_dp_round(r: dict[str, Any], sent: Sent, models: dict[str, list[bytes]], candidates: list[bytes],
+                   folded_in: dict[str, int]) -> tuple[list[str], int]:
+    """Central DP round k: the mean before noise is not published, so what is checked is that the noise the
+    coordinator recorded explains the release: residual = r{k+1} - r{k} - sum(clip_C(u_j - r{k})) / m must
+    look like N(0, noise_std) (its std within 10 %, its mean within 6 standard errors), with C, noise_std and
+    m as metrics.jsonl records them and noise_std = z C / m; and its projection on each participant's
+    clipped delta within 6 noise_std (an update left out or folded twice moves it by C / m)."""
+    k, dp = r["round"], r["dp"]
+    problems, _, updates = _updates(r, sent, [(d, k) for d in r["devices"]])
+    if problems:
+        return problems, 0
+    c, std, m = dp["clip_norm"], dp["noise_std"], dp["expected_participants"]
+    if not np.isclose(std, dp["noise_multiplier"] * c / m, rtol=1e-9):
+        problems.append(f"round {k}: noise_std {std} recorded, z C / m = {dp['noise_multiplier'] * c / m}")
+    start, released = models.get(f"r{k}", []), candidates
+    if not start or not released:
+        return problems, 0
+    model = {name: value.astype(np.float64) for name, value in load(start[0]).items()}
+    clipped = []
+    for u in updates:
+        delta = {name: u[name].astype(np.float64) - model[name] for name in model}
+        norm = np.sqrt(sum(float(np.sum(v * v)) for v in delta.values()))
+        clipped.append({name: v * min(1.0, c / norm) for name, v in delta.items()})
+    best: list[str] | None = None
+    for blob in released:
+        out = load(blob)
+        residual = np.concatenate([(out[name].astype(np.float64) - model[name]
+                                    - sum(d[name] for d in clipped) / m).ravel() for name in model])
+        found = []
+        if not (0.9 * std <= residual.std() <= 1.1 * std) or abs(residual.mean()) > 6 * std / np.sqrt(residual.size):
+            found.append(f"round {k}: released r{k + 1} minus r{k} and the clipped mean has std {residual.std():.4g}, "
+                         f"mean {residual.mean():.3g}; noise_std {std:.4g} recorded")
+        for device, d in zip(r["devices"], clipped, strict=True):
+            direction = np.concatenate([d[name].ravel() for name in model])
+            projection = float(residual @ direction) / float(np.linalg.norm(direction))
+            if abs(projection) > 6 * std:
+                found.append(f"round {k}: the noise leans {projection / std:.1f} noise_std along {device}'s clipped "
+                             "delta (an update left out or folded twice?)")
+        if not found:
+            return problems, 1
+        best = found if best is None or len(found) < len(best) else best
+    return problems + (best or []), 1
+
+
 def check(folder: Path) -> dict[str, Any]:
     """All violations in one run folder, and its figures."""
     violations: list[str] = []
     soak = json.loads((folder / "soak.json").read_text())
     violations += [f"state file unreadable after a kill: {p}" for p in soak["unreadable_state"]]
     violations += [f"liveness: {c}" for c in soak["crashes"]]
-    sent: dict[tuple[str, int], list[tuple[int, dict[str, np.ndarray]]]] = defaultdict(list)
+    sent: Sent = defaultdict(list)
     for path in (folder / "sent").glob("*.safetensors"):
         with open(path, "rb") as f:
             raw = f.read()
@@ -101,6 +218,7 @@ def check(folder: Path) -> dict[str, Any]:
     for key, blob in blobs(messages, f"{base}/model/").items():
         models[key.split("|")[1]].append(blob)
     by_round: dict[int, dict[str, Any]] = {}
+    folded_in: dict[str, int] = {}  # async: update id (device@round) -> the version that folded it
     verified = 0
     for r in records:
         k, devices = r["round"], r["devices"]
@@ -109,25 +227,11 @@ def check(folder: Path) -> dict[str, Any]:
         by_round[k] = r
         if len(set(devices)) != len(devices):
             violations.append(f"round {k}: an update folded twice: {devices}")
-        missing = [d for d in devices if (d, k) not in sent]
-        if missing:
-            violations.append(f"round {k}: participants with no update sent for it: {missing}")
-            continue
-        n = [sent[(d, k)][0][0] for d in devices]
-        if sum(n) != r["n_samples"]:
-            violations.append(f"round {k}: n_samples {r['n_samples']} != {sum(n)}, the sum of its participants'")
-        updates = [sent[(d, k)][0][1] for d in devices]
-        expected = {name: sum(nj * u[name].astype(np.float64) for nj, u in zip(n, updates, strict=True)) / sum(n)
-                    for name in updates[0]}
         candidates = models.get(f"r{k + 1}", []) + (models.get("final", []) if r is records[-1] else [])
-        if not candidates:
-            continue  # released while the capture was away (a broker restart): not checkable, not a violation
-        if not any(all(np.allclose(load(blob)[name], value, rtol=0, atol=ATOL) for name, value in expected.items())
-                   for blob in candidates):
-            worst = max(float(np.max(np.abs(load(candidates[0])[name] - value))) for name, value in expected.items())
-            violations.append(f"round {k}: released model r{k + 1} is not the weighted mean of its "
-                              f"{len(devices)} updates (max error {worst:.3g})")
-        verified += 1
+        rule = check_version if "buffer" in r else check_dp_round if "dp" in r else check_mean_round
+        problems, checked = rule(r, sent, models, candidates, folded_in)
+        violations += problems
+        verified += checked
     heads = {path.stem: load_file(str(path)) for path in (folder / "heads").glob("*.safetensors")}
     for topic, payload in messages:
         for device, tensors in heads.items():

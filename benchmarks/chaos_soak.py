@@ -2,14 +2,16 @@
 
 benchmarks/chaos_check.py proves the invariants from what the parties logged and published.
 
-    python benchmarks/chaos_soak.py [--minutes 30] [--modes sync] [--devices 24] [--out runs/chaos] [--quick]
+    python benchmarks/chaos_soak.py [--minutes 30] [--modes sync,async,dp] [--devices 24] [--out runs/chaos] [--quick]
 
 Each mode runs twice for the same wall time: without faults, then under the nemesis, which at random
 intervals (a few seconds) and together: kills the coordinator with SIGKILL and restarts it on the same
 state directory (after each kill every state file must still read); restarts the broker (no persistence:
-the devices re-register); makes ~20 % of the devices leave and rejoin, some of them dropping their socket
-halfway through an upload; cuts the network of every seventh device (its own TCP proxy holds every byte
-for 3-12 s). Each fault is a line of faults.jsonl with its time.
+the devices re-register); kills a process of 4 devices with SIGKILL (often mid-upload) and starts it
+again; steps the coordinator's wall clock by up to a minute either way (libfaketime, when installed);
+makes ~20 % of the devices leave and rejoin, some of them dropping their socket halfway through an
+upload; and every seventh device talks through its own TCP proxy, which at times holds every byte for
+3-12 s or resets its connections. Each fault is a line of faults.jsonl with its time.
 
 The devices are scripted (fleet_scale.py's minimal MQTT client): invited, a device sends random float32
 tensors for the shared layers, seeded by (device, round), and first writes its own copy of them (a
@@ -17,9 +19,9 @@ safetensors file per update, with n_samples and round in its metadata) under sen
 must never leave it, goes to heads/. A capture client subscribed to `#` writes every message it sees to
 capture.bin (reconnecting after each broker restart).
 
-Left out in this stop (see docs/reliability.md): --mode async, secure aggregation and central DP runs;
-real agents in the fleet; the coordinator clock jump (the
-coordinator reads time.time()/time.monotonic() directly and has no injectable clock or environment hook).
+Modes: sync (rounds with selection), async (FedBuff versions, K = 4 of 8 training) and dp (sync rounds
+with central DP, z = 0.1 so that the checker sees one update above the noise). Left out (see
+docs/reliability.md): secure aggregation; real agents in the fleet.
 """
 
 from __future__ import annotations
@@ -53,9 +55,17 @@ from fedper.wire import Invitation, Register, RoundInfo, Topics, UpdateMeta, chu
 FLEET = "chaos"
 TOPICS = Topics(FLEET)
 FLOATS = 4096
+FAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1"  # Debian's faketime (make faketime)
+GROUP = 4  # scripted devices per process: a SIGKILL takes a group
 CHUNK = 4096  # several chunks per update, so an upload can break halfway
-MODES = ("sync",)  # async, secure and dp: not yet (docs/reliability.md, "Chaos soak")
 SYNC = ("--clients-per-round", "6", "--over-select", "1.3", "--min-clients", "3", "--round-timeout", "4")
+MODES = {  # the coordinator's options per mode; secure aggregation: not yet (docs/reliability.md, "Chaos soak")
+    "sync": SYNC,
+    "async": ("--mode", "async", "--clients-per-round", "8", "--buffer-size", "4", "--max-staleness", "6",
+              "--round-timeout", "4"),
+    # z small on purpose: the checker must see one update's clipped delta (C / m) above the noise (z C / m)
+    "dp": (*SYNC, "--clip-norm", "5", "--dp-noise-multiplier", "0.1"),
+}
 
 
 def update_of(manifest: Manifest, device: str, round_: int) -> tuple[int, dict[str, np.ndarray]]:
@@ -69,6 +79,13 @@ def update_of(manifest: Manifest, device: str, round_: int) -> tuple[int, dict[s
 def samples_of(index: int) -> int:
     """A device's n_samples (registered, and claimed by each of its updates)."""
     return 1 + index % 4
+
+
+def save_atomic(tensors: dict[str, np.ndarray], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """A device killed with SIGKILL leaves its copy whole or absent (written aside, then renamed)."""
+    aside = path.with_name(path.name + ".part")
+    save_file(tensors, str(aside), metadata=metadata)
+    os.replace(aside, path)
 
 
 def log_fault(path: Path, kind: str, **detail: Any) -> None:
@@ -86,6 +103,7 @@ class Blackhole:
 
     def __init__(self, port: int) -> None:
         self.port, self.cut_until = port, 0.0
+        self.writers: set[asyncio.StreamWriter] = set()
         self.server: asyncio.base_events.Server | None = None
 
     async def start(self) -> int:
@@ -94,6 +112,11 @@ class Blackhole:
 
     def cut(self, seconds: float) -> None:
         self.cut_until = time.monotonic() + seconds
+
+    def close(self) -> None:
+        """The network goes at once: both sides of every proxied connection reset."""
+        for writer in list(self.writers):
+            writer.transport.abort()
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -113,8 +136,10 @@ class Blackhole:
         except OSError:
             writer.close()
             return
+        self.writers |= {writer, up_writer}
         with contextlib.suppress(asyncio.CancelledError):  # the fleet's loop ends: nothing to report
             await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer))
+        self.writers -= {writer, up_writer}
 
 
 async def device_life(index: int, port: int, out: Path, faulty: bool, stop: asyncio.Event) -> None:
@@ -127,7 +152,7 @@ async def device_life(index: int, port: int, out: Path, faulty: bool, stop: asyn
     manifest, name = manifest_of(FLOATS), f"dev-{index:03d}"
     head = {t.name: np.random.default_rng(index).normal(size=t.shape).astype(np.float32)
             for t in manifest.tensors if not t.shared}
-    save_file(head, str(out / "heads" / f"{name}.safetensors"))
+    save_atomic(head, out / "heads" / f"{name}.safetensors")
     rng = random.Random(index)
     while not stop.is_set():
         left = await connection(Device(index, name, manifest, out, faulty, rng), port, stop)
@@ -139,9 +164,13 @@ async def cut_network(proxy: Blackhole, out: Path, name: str, stop: asyncio.Even
     rng = random.Random(name)
     while not stop.is_set():
         await asyncio.sleep(rng.uniform(10, 30))
-        seconds = rng.uniform(3, 12)
-        log_fault(out / "faults.jsonl", "network_cut", device=name, seconds=round(seconds, 1))
-        proxy.cut(seconds)
+        if rng.random() < 0.5:
+            seconds = rng.uniform(3, 12)
+            log_fault(out / "faults.jsonl", "network_cut", device=name, seconds=round(seconds, 1))
+            proxy.cut(seconds)
+        else:
+            log_fault(out / "faults.jsonl", "network_reset", device=name)
+            proxy.close()
 
 
 @dataclass
@@ -166,7 +195,7 @@ async def connection(device: Device, port: int, stop: asyncio.Event) -> bool:
         await asyncio.sleep(rng.uniform(0.1, 1.0))
         n, tensors = update_of(manifest, name, round_)
         path = device.out / "sent" / f"{name}-r{round_}-{time.time_ns()}.safetensors"
-        save_file(tensors, str(path), metadata={"n_samples": str(n), "round": str(round_), "device": name})
+        save_atomic(tensors, path, {"n_samples": str(n), "round": str(round_), "device": name})
         frames = chunk(encode_shared(manifest, tensors), CHUNK, f"r{round_}-{name}",
                        UpdateMeta(round_, n, manifest.base_digest, {}).to_dict())
         cut = device.faulty and rng.random() < 0.1
@@ -223,12 +252,12 @@ def _quiet(ack: asyncio.Future[None] | None) -> None:
         ack.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
-def devices_main(count: int, port: int, out: str, faulty: bool) -> None:
-    """One process for the whole scripted fleet; SIGTERM ends it."""
+def devices_main(indices: list[int], port: int, out: str, faulty: bool) -> None:
+    """One process for a group of scripted devices (so that SIGKILL takes a few at once); SIGTERM ends it."""
     async def run() -> None:
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-        await asyncio.gather(*(device_life(i, port, Path(out), faulty, stop) for i in range(count)))
+        await asyncio.gather(*(device_life(i, port, Path(out), faulty, stop) for i in indices))
 
     asyncio.run(run())
 
@@ -265,12 +294,21 @@ def capture_main(port: int, out: str) -> None:
 # ------------------------------------------------------------ the coordinator and the nemesis
 
 
-def start_coordinator(out: Path, port: int, mode_args: tuple[str, ...]) -> subprocess.Popen[bytes]:
+def start_coordinator(out: Path, port: int, mode_args: tuple[str, ...], clock: bool) -> subprocess.Popen[bytes]:
+    """The coordinator's process; with `clock`, under libfaketime, its wall clock offset by what out/clock says
+    (read at every call: FAKETIME_NO_CACHE), its monotonic clock left alone, as an NTP step would."""
     log = open(out / "coordinator.log", "ab")  # noqa: SIM115 (the child holds it)
+    env, launch = dict(os.environ), ["-m", "fedper.coordinator.cli"]
+    if clock:  # libfaketime 0.9.10 fails clock_nanosleep (time.sleep: EINVAL, paho's reconnect wait) when only
+        # the wall clock is faked; select's relative timeout is unaffected, so time.sleep waits in select here
+        launch = ["-c", "import select, sys, time; time.sleep = lambda s: select.select([], [], [], s) and None; "
+                  "from fedper.coordinator.cli import main; sys.exit(main())"]
+        env |= {"LD_PRELOAD": FAKETIME, "FAKETIME_TIMESTAMP_FILE": str(out / "clock"), "FAKETIME_NO_CACHE": "1",
+                "FAKETIME_DONT_FAKE_MONOTONIC": "1", "FAKETIME_FORCE_MONOTONIC_FIX": "1"}
     return subprocess.Popen(
-        [sys.executable, "-m", "fedper.coordinator.cli", "--artifacts", str(out / "export"), "--fleet", FLEET,
+        [sys.executable, *launch, "--artifacts", str(out / "export"), "--fleet", FLEET,
          "--broker", f"mqtt://127.0.0.1:{port}", "--rounds", "100000", "--state-dir", str(out / "state"),
-         "--chunk-size", str(CHUNK), *mode_args], stdout=log, stderr=subprocess.STDOUT)
+         "--chunk-size", str(CHUNK), *mode_args], stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 def state_readable(state_dir: Path) -> list[str]:
@@ -293,6 +331,14 @@ def state_readable(state_dir: Path) -> list[str]:
     return problems
 
 
+def uploading(out: Path, group: list[int]) -> list[str]:
+    """The group's devices that wrote their copy of an update within the last second: likely mid-upload."""
+    names = {f"dev-{i:03d}" for i in group}
+    recent = time.time() - 1.0
+    return sorted({p.name.rsplit("-r", 1)[0] for p in (out / "sent").glob("*.safetensors")
+                   if p.name.rsplit("-r", 1)[0] in names and p.stat().st_mtime > recent})
+
+
 def spawn(target: str, *args: Any) -> subprocess.Popen[bytes]:
     here = Path(__file__).resolve().parent
     code = f"import sys; sys.path.insert(0, {str(here)!r}); import chaos_soak; chaos_soak.{target}(*{args!r})"
@@ -309,9 +355,14 @@ def run_mode(mode: str, seconds: float, devices: int, out: Path, faulty: bool) -
     port = free_port()
     broker = start_mosquitto(out, port)
     capture = spawn("capture_main", port, str(out))
-    fleet = spawn("devices_main", devices, port, str(out), faulty)
-    coordinator = start_coordinator(out, port, SYNC)
-    faults_path, rng = out / "faults.jsonl", random.Random(1)
+    groups = [list(range(i, min(i + GROUP, devices))) for i in range(0, devices, GROUP)]
+    fleet = [spawn("devices_main", group, port, str(out), faulty) for group in groups]
+    clock = faulty and Path(FAKETIME).exists()
+    if faulty and not clock:
+        print(f"no clock jumps: {FAKETIME} missing (make faketime, or apt-get install faketime)")
+    (out / "clock").write_text("+0\n")
+    coordinator = start_coordinator(out, port, MODES[mode], clock)
+    faults_path, rng = out / "faults.jsonl", random.Random(f"nemesis-{mode}")
     counts: dict[str, int] = {}
     unreadable: list[str] = []
     crashes: list[str] = []
@@ -322,10 +373,11 @@ def run_mode(mode: str, seconds: float, devices: int, out: Path, faulty: bool) -
             if coordinator.poll() is not None:  # it died without the nemesis: a finding
                 crashes.append(f"coordinator exited {coordinator.returncode} on its own")
                 log_fault(faults_path, "coordinator_crash", code=coordinator.returncode)
-                coordinator = start_coordinator(out, port, SYNC)
+                coordinator = start_coordinator(out, port, MODES[mode], clock)
             if not faulty:
                 continue
-            kind = rng.choices(["coordinator_kill", "broker_restart"], [3, 1])[0]
+            kind = rng.choices(["coordinator_kill", "broker_restart", "devices_kill9", "clock_jump"],
+                               [3, 2, 1, 1 if clock else 0])[0]
             counts[kind] = counts.get(kind, 0) + 1
             log_fault(faults_path, kind)
             if kind == "coordinator_kill":
@@ -333,7 +385,18 @@ def run_mode(mode: str, seconds: float, devices: int, out: Path, faulty: bool) -
                 coordinator.wait()
                 unreadable += state_readable(out / "state")
                 time.sleep(rng.uniform(0.0, 1.0))
-                coordinator = start_coordinator(out, port, SYNC)
+                coordinator = start_coordinator(out, port, MODES[mode], clock)
+            elif kind == "clock_jump":  # the new offset from true time: forward or back by up to a minute
+                offset = rng.randint(-60, 60)
+                (out / "clock").write_text(f"{offset:+d}s\n")
+                log_fault(faults_path, "clock_offset", seconds=offset)
+            elif kind == "devices_kill9":
+                g = rng.randrange(len(groups))
+                fleet[g].send_signal(signal.SIGKILL)
+                fleet[g].wait()
+                log_fault(faults_path, "devices_killed", devices=groups[g], uploading=uploading(out, groups[g]))
+                time.sleep(rng.uniform(0.5, 2.0))
+                fleet[g] = spawn("devices_main", groups[g], port, str(out), faulty)
             else:
                 broker.terminate()
                 broker.wait(10)
@@ -343,15 +406,18 @@ def run_mode(mode: str, seconds: float, devices: int, out: Path, faulty: bool) -
         coordinator.send_signal(signal.SIGKILL)
         coordinator.wait()
         unreadable += state_readable(out / "state")
-        for proc in (fleet, capture):
+        for proc in (*fleet, capture):
             proc.terminate()
             proc.wait(20)
         broker.terminate()
         broker.wait(10)
     for line in faults_path.read_text().splitlines() if faults_path.exists() else []:
-        kind = json.loads(line)["kind"]
-        if kind.startswith("device") or kind in ("coordinator_crash", "network_cut"):
+        fault = json.loads(line)
+        kind = fault["kind"]
+        if kind.startswith("device_") or kind in ("coordinator_crash", "network_cut", "network_reset"):
             counts[kind] = counts.get(kind, 0) + 1
+        if kind == "devices_killed":
+            counts["devices_killed_mid_upload"] = counts.get("devices_killed_mid_upload", 0) + len(fault["uploading"])
     summary = {"mode": mode, "seconds": seconds, "faulty": faulty, "faults": counts, "unreadable_state": unreadable,
                "crashes": crashes}
     (out / "soak.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -361,12 +427,14 @@ def run_mode(mode: str, seconds: float, devices: int, out: Path, faulty: bool) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=30.0, help="run time per mode under faults (default 30)")
-    parser.add_argument("--modes", default="sync", help="comma-separated modes (this stop: sync only)")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated modes among {', '.join(MODES)} "
+                        "(default: all)")
     parser.add_argument("--devices", type=int, default=24, help="scripted devices (default 24)")
     parser.add_argument("--out", type=Path, default=Path("runs/chaos"), help="folder for logs, captures, results")
-    parser.add_argument("--quick", action="store_true", help="sync only, 1 minute, 12 devices (make test's form)")
+    parser.add_argument("--quick", action="store_true",
+                        help="sync and async, 30 s calm + 30 s under faults each, 12 devices (make test's form)")
     args = parser.parse_args()
-    minutes, devices, modes = (1.0, 12, ["sync"]) if args.quick else (args.minutes, args.devices,
+    minutes, devices, modes = (0.5, 12, ["sync", "async"]) if args.quick else (args.minutes, args.devices,
                                                                        args.modes.split(","))
     unknown = set(modes) - set(MODES)
     if unknown:

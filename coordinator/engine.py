@@ -204,6 +204,10 @@ class RoundEngine(RoundMachine):
         """The service published this many payload bytes (monitoring; not checkpointed)."""
         self.bytes_sent += n_bytes
 
+    def note_published(self, now: float) -> None:
+        """The service published the latest call's messages at `now`: invitations among them are timed from it."""
+        self._invitations.sent(now)
+
     # ------------------------------------------------------------ what it shows
 
     @property

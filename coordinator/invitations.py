@@ -47,6 +47,7 @@ class Invitations:
         self.backoff_file: str | None = None
         self.backoff_dirty = False
         self._invited_at: dict[str, float] = {}  # device -> when this process invited it (or resumed)
+        self._unsent: set[str] = set()  # invited by the engine's latest call, their invitations not yet out
         self._answered: set[str] = set()  # invited devices that sent something for the open round
         self.lapsed: set[str] = set()  # invitations given up: their places went to the next devices
 
@@ -73,6 +74,14 @@ class Invitations:
             self._ranking.offer(itertools.chain(released, self.backoff.misses), r.number)
         r.invited |= set(self._ranking.take(room, self._eligible(r)))
         self._invited_at = dict.fromkeys(r.invited, now)
+        self._unsent = set(r.invited)
+
+    def sent(self, now: float) -> None:
+        """The invitations made since the last call went out at `now`: their answer timeouts start then, not at
+        the `now` of the call that made them, which may have run long (a round's close: DP accounting took 1.5 s
+        on a loaded machine, and every invitation it made lapsed before its device could answer)."""
+        self._invited_at.update(dict.fromkeys(self._unsent & self._invited_at.keys(), now))
+        self._unsent = set()
 
     def new_round(self) -> None:
         """A round closed: what its invitations did is over."""
@@ -124,6 +133,7 @@ class Invitations:
         if chosen:
             r.invited.update(chosen)
             self._invited_at.update(dict.fromkeys(chosen, now))
+            self._unsent.update(chosen)
             log.info("round %d: invited %d more device(s) [%d live of %d, %d lapsed]", r.number, len(chosen),
                      len(r.invited - self.lapsed), r.invite_cap, len(self.lapsed))
         return chosen

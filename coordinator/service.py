@@ -29,6 +29,14 @@ from fedper.wire import Outgoing
 PUBLISH_WAIT_S = 60.0
 
 
+def steady_clock() -> Callable[[], float]:
+    """The engine's clock: wall time at this call, advancing with the monotonic clock, so that a step of the
+    system clock (NTP, an operator) moves no deadline or answer timeout (the chaos soak's clock jump: a
+    +44 s step passed a round's deadline at once and lapsed its 8 invitations)."""
+    start_wall, start = time.time(), time.monotonic()
+    return lambda: start_wall + time.monotonic() - start
+
+
 def run_service(
     coordinator: Coordinator,
     broker: BrokerUrl,
@@ -45,6 +53,7 @@ def run_service(
     or `stop` is set; BrokerRefused when the broker turns the coordinator away."""
     topics = coordinator.topics
     stop = stop or threading.Event()
+    clock = steady_clock()
     offline = json.dumps({"v": 1, "status": "offline"}).encode()
     client = make_client(f"fedper-coordinator-{topics.fleet}", protocol=protocol, username=username,
                          password=password, tls=broker.tls, tls_ca=tls_ca, will=(topics.state, offline),
@@ -56,10 +65,10 @@ def run_service(
     log.info("connecting to %s:%d (MQTT %s), fleet %s", broker.host, broker.port, protocol, topics.fleet)
     try:
         with Session(client, broker, subscriptions, log=log.warning,
-                     admit=lambda topic: coordinator.admit(topic, time.time())) as session:
+                     admit=lambda topic: coordinator.admit(topic, clock())) as session:
             while not stop.is_set():
                 event = session.receive(timeout=0.1)
-                now = time.time()
+                now = clock()
                 out: list[Outgoing] = []
                 if isinstance(event, Connected):
                     log.info("connected to the broker")
@@ -70,7 +79,7 @@ def run_service(
                     session.ack(event)  # only now: an accepted update is checkpointed before the broker forgets it
                 if started:
                     out += coordinator.tick(now)
-                    _publish(session.client, coordinator, out, broadcast, wait_all=coordinator.finished)
+                    _publish(session.client, coordinator, out, broadcast, wait_all=coordinator.finished, clock=clock)
                     if on_tick:
                         on_tick(coordinator)
                     if coordinator.finished:  # the final model and state are out and acknowledged
@@ -93,11 +102,12 @@ class _Broadcast:
 
 
 def _publish(client: mqtt.Client, coordinator: Coordinator, messages: list[Outgoing], broadcast: _Broadcast,
-             wait_all: bool = False) -> None:
+             wait_all: bool = False, clock: Callable[[], float] = time.time) -> None:
     """Publish in order without waiting (but for everything with `wait_all`: the run is over); the round's
     model broadcast is timed until the broker acknowledged it, as seen at this call or a later one."""
     coordinator.note_sent(sum(len(m.payload) for m in messages))
     sent = [(m, client.publish(m.topic, m.payload, qos=m.qos, retain=m.retain)) for m in messages]
+    coordinator.note_published(clock())
     chunks = [info for m, info in sent if m.broadcast]
     if chunks and not broadcast.pending:
         broadcast.started = time.perf_counter()

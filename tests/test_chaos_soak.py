@@ -92,17 +92,114 @@ def test_checker_command_exits_non_zero_on_a_violation(tmp_path: Path) -> None:
     assert done.returncode == 1 and "VIOLATION" in done.stdout
 
 
+def write_run(folder: Path, sent: list[tuple[str, int, int, dict[str, np.ndarray]]],
+              models: dict[str, dict[str, np.ndarray]], metrics: list[dict[str, object]]) -> None:
+    """A run folder from its parts: the devices' copies (device, round, n_samples, tensors), the released models
+    by blob id (captured as hand-built chunk frames) and metrics.jsonl's lines."""
+    for sub in ("sent", "heads", "state"):
+        (folder / sub).mkdir(parents=True)
+    for i, (device, round_, n, tensors) in enumerate(sent):
+        save_file(tensors, str(folder / "sent" / f"{device}-r{round_}-{i}.safetensors"),
+                  metadata={"n_samples": str(n), "round": str(round_), "device": device})
+    capture = b""
+    for blob_id, tensors in models.items():
+        blob = save({name: value.astype(np.float32) for name, value in tensors.items()})
+        capture += b"".join(record(f"{BASE}/model/{blob_id}/{i}", frame(blob_id, blob, i, 2, len(blob) // 2 + 1))
+                            for i in range(2))
+    (folder / "capture.bin").write_bytes(capture)
+    (folder / "state" / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    (folder / "soak.json").write_text(json.dumps({"seconds": 60, "faults": {}, "unreadable_state": [],
+                                                  "crashes": []}))
+
+
+def make_versions(folder: Path, *, unweighted: bool = False, fold_twice: bool = False) -> None:
+    """Async: version 1 folds dev-002's update (r2 itself); version 2 folds dev-000's update trained on r1
+    (staleness 1) and dev-001's on r2 (staleness 0);
+    r3 = r2 + (n_0 Δ_0 / sqrt(2) + n_1 Δ_1) / (n_0 + n_1), worked out here term by term in float64."""
+    rng = np.random.default_rng(1)
+    r1 = {"base.w": rng.normal(size=(4, 8))}
+    r2 = {"base.w": rng.normal(size=(4, 8)).astype(np.float32)}  # dev-002's update on r1, weight 1: r2 itself
+    u0, u1 = rng.normal(size=(4, 8)).astype(np.float32), rng.normal(size=(4, 8)).astype(np.float32)
+    d0 = u0.astype(np.float64) - r1["base.w"].astype(np.float32)
+    d1 = u1.astype(np.float64) - r2["base.w"].astype(np.float32)
+    w0 = 1.0 if unweighted else 1 / np.sqrt(2.0)
+    r3 = {"base.w": r2["base.w"].astype(np.float32) + (1 * w0 * d0 + 2 * d1) / 3}
+    buffer = {"version": 3, "updates": ["dev-000@1", "dev-001@2"], "staleness": [1, 0], "max_staleness": 4}
+    metrics = [{"round": 1, "devices": ["dev-002"], "n_samples": 3,
+                "buffer": {**buffer, "version": 2, "updates": ["dev-002@1"], "staleness": [0]}},
+               {"round": 2, "devices": ["dev-000", "dev-001"], "n_samples": 3, "buffer": buffer}]
+    if fold_twice:
+        metrics[0] = {**metrics[0], "devices": ["dev-000"], "n_samples": 1,
+                      "buffer": {**metrics[0]["buffer"], "updates": ["dev-000@1"]}}
+    sent = [("dev-000", 1, 1, {"base.w": u0}), ("dev-001", 2, 2, {"base.w": u1}),
+            ("dev-002", 1, 3, r2)]
+    write_run(folder, sent, {"r1": r1, "r2": r2, "r3": r3}, metrics)
+
+
+def test_checker_passes_honest_async_versions(tmp_path: Path) -> None:
+    make_versions(tmp_path)
+    result = chaos_check.check(tmp_path)
+    assert result["violations"] == [] and result["verified"] == 2
+
+
+def test_checker_finds_a_version_without_staleness_weights(tmp_path: Path) -> None:
+    make_versions(tmp_path, unweighted=True)
+    assert any("round 2: released model r3" in v for v in chaos_check.check(tmp_path)["violations"])
+
+
+def test_checker_finds_an_update_folded_into_two_versions(tmp_path: Path) -> None:
+    make_versions(tmp_path, fold_twice=True)
+    assert any("dev-000@1 folded again" in v for v in chaos_check.check(tmp_path)["violations"])
+
+
+def make_dp_round(folder: Path, *, leave_out: bool = False, std_recorded: float | None = None) -> None:
+    """Central DP, round 1 of m = 3 expected: r2 = r1 + (sum of the deltas clipped to C + N(0, (z C)^2)) / m."""
+    rng = np.random.default_rng(2)
+    shape, c, z, m = (64, 64), 5.0, 0.1, 3.0
+    r1 = {"base.w": rng.normal(size=shape).astype(np.float32)}
+    updates = {d: rng.normal(size=shape).astype(np.float32) for d in DEVICES}
+    total = np.zeros(shape)
+    for d, u in updates.items():
+        if leave_out and d == "dev-002":
+            continue
+        delta = u.astype(np.float64) - r1["base.w"]
+        total += delta * min(1.0, c / np.linalg.norm(delta))
+    r2 = {"base.w": r1["base.w"] + (total + rng.normal(0.0, z * c, shape)) / m}
+    dp = {"clip_norm": c, "noise_multiplier": z, "noise_std": std_recorded or z * c / m, "expected_participants": m}
+    metrics = [{"round": 1, "devices": list(DEVICES), "n_samples": 6, "dp": dp}]
+    write_run(folder, [(d, 1, n, {"base.w": updates[d]}) for d, n in DEVICES.items()], {"r1": r1, "r2": r2},
+              metrics)
+
+
+def test_checker_passes_an_honest_dp_round(tmp_path: Path) -> None:
+    make_dp_round(tmp_path)
+    result = chaos_check.check(tmp_path)
+    assert result["violations"] == [] and result["verified"] == 1
+
+
+def test_checker_finds_a_dp_round_without_one_update(tmp_path: Path) -> None:
+    make_dp_round(tmp_path, leave_out=True)
+    assert any("leans" in v and "dev-002" in v for v in chaos_check.check(tmp_path)["violations"])
+
+
+def test_checker_finds_dp_noise_other_than_recorded(tmp_path: Path) -> None:
+    make_dp_round(tmp_path, std_recorded=2 * 0.1 * 5.0 / 3)
+    assert any("noise_std" in v for v in chaos_check.check(tmp_path)["violations"])
+
+
 @pytest.mark.mosquitto
 @pytest.mark.soak
 @pytest.mark.skipif(shutil.which("mosquitto") is None and not Path("/usr/sbin/mosquitto").exists(),
                     reason="mosquitto not installed (apt-get install mosquitto)")
 def test_quick_soak_finds_no_violation(tmp_path: Path) -> None:
-    """Sync mode, 1 minute without faults and 1 minute with coordinator SIGKILLs, broker restarts and devices
-    leaving (some mid-upload); the command exits 1 on any violation."""
+    """Sync and async modes, 30 s without faults and 30 s with coordinator SIGKILLs, broker restarts, device
+    groups killed with SIGKILL, devices leaving (some mid-upload), network cuts and, with libfaketime, clock
+    jumps; the command exits 1 on any violation."""
     done = subprocess.run([sys.executable, str(BENCH / "chaos_soak.py"), "--quick", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    faults = json.loads((tmp_path / "sync-faults" / "soak.json").read_text())
-    assert faults["faults"].get("coordinator_kill", 0) >= 1
-    result = chaos_check.check(tmp_path / "sync-faults")
-    assert result["rounds"] >= 1 and result["verified"] >= 1
+    for mode in ("sync", "async"):
+        faults = json.loads((tmp_path / f"{mode}-faults" / "soak.json").read_text())
+        assert faults["faults"].get("coordinator_kill", 0) >= 1
+        result = chaos_check.check(tmp_path / f"{mode}-faults")
+        assert result["rounds"] >= 1 and result["verified"] >= 1

@@ -109,6 +109,21 @@ def test_an_invited_device_that_never_answers_is_replaced_before_the_deadline(tm
     assert record["invited"] == 3
 
 
+
+def test_an_invitation_is_timed_from_when_it_went_out(tmp_path: Path) -> None:
+    """Found by the chaos soak (benchmarks/chaos_soak.py, dp mode): a round's close that ran 1.5 s (DP accounting
+    on a loaded machine) stamped the next round's invitations with the time the closing call began, so they
+    lapsed, and their devices sat out rounds, before the devices could answer (32 misses in 8 rounds). The
+    service now says when a call's messages went out (note_published) and the answer timeout runs from then."""
+    c = make(tmp_path, clients_per_round=2, min_clients=2, round_timeout=60.0, answer_timeout=2.0, selection_seed=3)
+    for device in ["d0", "d1", "d2", "d3", "d4"]:
+        join(c, device)
+    opened = invited_in(c.tick(0.5))  # the call began at 0.5 ...
+    assert len(opened) == 2
+    c.note_published(2.0)  # ... and its invitations went out at 2.0
+    assert invited_in(c.tick(3.5)) == set()  # 3 s after the call began, 1.5 s after they went out: none lapsed
+    assert len(invited_in(c.tick(4.0)) - opened) == 2  # 2.0 s after they went out: both lapse, two others invited
+
 def test_a_device_that_keeps_not_answering_is_invited_less_also_across_a_restart(tmp_path: Path) -> None:
     """M = 3 of exactly 3 online devices: the silent one is invited whenever it is eligible. After its k-th
     miss in a row it sits out 2^(k-1) rounds: invited in rounds 1, 3, 6, 11, 20 (worked out by hand), the
