@@ -87,3 +87,55 @@ def test_bad_input_is_a_clear_error(tmp_path: Path) -> None:
     assert "needs --data" in output
     with pytest.raises(FileNotFoundError):
         (tmp_path / "run" / "results.json").read_text()
+
+
+def test_warm_start_demo_pretrains_on_other_classes_and_exports_from_them(tmp_path: Path) -> None:
+    """--warm-start: the base is pretrained on the first classes only, the fleet holds only the others, the warm
+    export carries the pretrained tensors (read here from the emulator's file, not through the exporter) and
+    names their file and sha256, the cold one its seed; each device's accuracy stands beside its chance line."""
+    import hashlib
+
+    import onnx
+    from onnx import numpy_helper
+    from safetensors.numpy import load_file
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "fedper.cli", "demo", "--warm-start", "--devices", "2", "--rounds",
+                             "1", "--max-samples", "160", "--width", "0.25", "--classes-per-device", "2",
+                             "--pretrain-classes", "6", "--pretrain-samples", "400", "--pretrain-epochs", "1",
+                             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, output
+    assert set(json.loads((out / "results.json").read_text())) == {"warm", "cold"}
+    base = np.load(out / "pretrain" / "base.npz")
+    assert set(base["y_train"]) == set(range(6)) and list(base["classes"]) == [str(d) for d in range(6)]
+    for name in ("dev-0", "dev-1"):
+        device = np.load(out / "data" / f"{name}.npz")
+        assert list(device["classes"]) == ["6", "7", "8", "9"]
+        assert set(device["y_train"]) <= {0, 1, 2, 3} and len(set(device["y_train"])) == 2
+
+    pretrained = out / "pretrain" / "run" / "model.safetensors"
+    warm = json.loads((out / "warm" / "artifacts" / "manifest.json").read_text())["weights"]
+    assert warm["sha256"] == hashlib.sha256(pretrained.read_bytes()).hexdigest()
+    assert "seed" in json.loads((out / "cold" / "artifacts" / "manifest.json").read_text())["weights"]
+    tensors = load_file(pretrained)
+    graphs = {run: {i.name: numpy_helper.to_array(i) for i in
+                    onnx.load(str(out / run / "artifacts" / "inference.onnx")).graph.initializer}
+              for run in ("warm", "cold")}
+    base_weights = [n for n in tensors if n.endswith("weight") and not n.startswith("classifier.")
+                    and n in graphs["warm"]]
+    assert len(base_weights) > 10
+    for name in base_weights:
+        np.testing.assert_array_equal(graphs["warm"][name], tensors[name], err_msg=name)
+    assert not all(np.array_equal(graphs["cold"][n], tensors[n]) for n in base_weights)
+    assert "FedPer, warm start" in output and "FedPer, random start" in output
+    assert "pretrained on 0, 1, 2, 3, 4, 5" in output
+    assert "guessing the most frequent gives" in output
+    assert leftovers(out) == []
+
+
+def test_warm_start_needs_classes_left_for_the_fleet(tmp_path: Path) -> None:
+    proc = demo(tmp_path / "run", "--warm-start", "--pretrain-classes", "9")
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert "--pretrain-classes must leave the fleet two classes or more" in output
