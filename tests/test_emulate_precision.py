@@ -18,8 +18,8 @@ TINY = {"width": 0.25, "local_epochs": 1, "batch_size": 8, "lr": 0.01}
 
 @pytest.fixture(scope="module")
 def digits() -> FleetData:
-    """Real scans at their own 8x8 size, so no resizing: the uint8-resident path."""
-    return load_fleet_data(DataConfig(dataset="digits", input_size=8, clients=3, scale=0.1, seed=1))
+    """Real scans at their own 8x8 size, so no resizing: the uint8-resident path (a GPU's default, asked for here)."""
+    return load_fleet_data(DataConfig(dataset="digits", input_size=8, clients=3, scale=0.1, seed=1), pixels=True)
 
 
 def test_batches_hold_the_normalized_values(digits: FleetData) -> None:
@@ -63,17 +63,22 @@ def test_uint8_resident_runs_equal_the_float_tensor_runs_in_float64(digits: Flee
 
 
 @pytest.mark.parametrize("engine", ["sequential", "vmap"])
-def test_bf16_trains_near_float32(digits: FleetData, engine: str) -> None:
-    """bf16 on a CPU (autocast), float32 master weights: the loss falls over rounds, the weights stay float32,
-    and the final mean accuracy lies within 0.15 of float32's on this tiny run (about 36 test scans over 3
-    clients: one scan is 0.03; bf16 keeps 8 bits of mantissa, so the runs drift apart step by step)."""
-    base = FleetConfig(algorithm="fedavg", kp=0, engine=engine, **TINY | {"lr": 0.05})
-    shared32, history32 = _run(base, digits, torch.float32, 4)
-    shared16, history16 = _run(dataclasses.replace(base, precision="bf16"), digits, torch.float32, 4)
-    assert all(t.dtype == torch.float32 for t in shared16.values())  # master weights and BatchNorm statistics
-    assert history16[-1]["mean_loss"] < history16[0]["mean_loss"]
-    assert abs(history16[-1]["mean_accuracy"] - history32[-1]["mean_accuracy"]) <= 0.15
-    assert any(not torch.equal(shared16[n], shared32[n]) for n in shared32)  # bf16 did compute in bf16
+def test_bf16_trains_near_float32(engine: str) -> None:
+    """bf16 autocast on the CPU: the loss falls over the rounds, the tensors and BatchNorm statistics stay float32,
+    and the final accuracy is within 0.1 of float32's on the same tiny run (digits, 3 clients of 2 classes, the
+    fig. 5-6 model, which learns in 3 rounds; float32 reached 0.97 and bf16 0.97-0.985 when written). A weight copy
+    autocast kept from one step to the next would diverge here (the loss grows a thousandfold)."""
+    data = load_fleet_data(DataConfig(clients=3, classes_per_client=2, input_size=16, scale=0.3))
+    finals = {}
+    for precision in ("float32", "bf16"):
+        config = FleetConfig(model="linear-mobilenet_v1", width=0.25, kp=1, local_epochs=2, batch_size=32, lr=0.05,
+                             engine=engine, precision=precision)
+        shared, history = _run(config, data, torch.float32, 3)
+        assert all(t.dtype in (torch.float32, torch.int64) for t in shared.values())
+        assert history[-1]["mean_loss"] < history[0]["mean_loss"] / 2, (precision, history)
+        finals[precision] = history[-1]["mean_accuracy"]
+    assert finals["float32"] > 0.85  # chance is 0.5: the run learns, so the comparison means something
+    assert abs(finals["bf16"] - finals["float32"]) <= 0.1, finals
 
 
 def test_unknown_precision_is_refused(digits: FleetData) -> None:
