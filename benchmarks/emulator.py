@@ -105,10 +105,6 @@ def threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def bfloat16() -> contextlib.AbstractContextManager:
-    return torch.autocast("cpu", dtype=torch.bfloat16)
-
-
 def spawned(data: DataConfig, fleet: FleetConfig, rounds: int, world_size: int) -> tuple[float, float]:
     """fedper-emulate run --world-size N (each process single-threaded on 2 cores): the wall time of
     rounds 2..rounds+1 from metrics.jsonl (round 1 warms up; process start and data loading are not
@@ -180,7 +176,7 @@ def contenders(data_config: DataConfig, data: FleetData, config: FleetConfig, ro
         PLAIN: lambda: plain_fedper(nchw, rounds),
         "emulator, NCHW batches (channels_last off)": lambda: emulator(nchw, rounds),
         "emulator (default: channels_last batches)": lambda: emulator(default, rounds),
-        "emulator, bfloat16 autocast": lambda: emulator(default, rounds, bfloat16),
+        "emulator, bfloat16 autocast (--precision bf16)": lambda: emulator(fleet(precision="bf16"), rounds),
         "emulator, 1 thread": lambda: emulator(default, rounds, lambda: threads(1)),
         "emulator, 2 processes x 1 thread (--world-size 2)": lambda: spawned(data_config, config, rounds, 2),
         "emulator, vmap engine": lambda: emulator(vmap, rounds),

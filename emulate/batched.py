@@ -1,7 +1,8 @@
 """Train many clients at once: their tensors stacked along a leading client axis, one vmapped
 functional forward/backward per step (torch.func), data gathered from the resident tensor.
 
-It does the same work as train.train_client on every client, with the same batches: at each step
+It does the same work as train.train_client on every client, with the same batches (each epoch's sample
+indices made on the device in one copy, so no step waits for the host): at each step
 the clients whose current batch has the same size form one vmapped group (usually all of them;
 clients with fewer samples drop out of the last steps of an epoch, and last batches are smaller).
 SGD (with optional momentum) is written out as torch.optim.SGD computes it, on stacked tensors.
@@ -11,6 +12,7 @@ are stacked buffers too, updated in place per client inside vmap.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -19,6 +21,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from fedper.algorithms import Phase
+from fedper.emulate.data import Images
 from fedper.emulate.train import BatchKey, OnStep, phase_batches
 from fedper.manifest import Manifest
 from fedper.training import freeze_for_phase, ort_batchnorm
@@ -28,7 +31,7 @@ def train_clients_batched(
     model: nn.Module,
     manifest: Manifest,
     phases: Sequence[Phase],
-    x: torch.Tensor,
+    x: Images,
     y: torch.Tensor,
     train_idx: Sequence[torch.Tensor],
     stacked: dict[str, torch.Tensor],
@@ -47,14 +50,18 @@ def train_clients_batched(
     client-batches it took, as train_client counts them; `on_rows` with the rows it took."""
     n_clients = len(train_idx)
     if not isinstance(lr, float | int):
-        rates = torch.tensor(list(lr), dtype=next(iter(stacked.values())).dtype, device=x.device)
-        lr = float(rates[0]) if bool((rates == rates[0]).all()) else rates
+        rates = list(lr)
+        same = all(r == rates[0] for r in rates)
+        lr = float(rates[0]) if same else torch.tensor(rates, dtype=next(iter(stacked.values())).dtype, device=x.device)
     # BatchNorm's num_batches_tracked counters (not manifest tensors) are mutated in the forward, so
     # vmap needs them batched too; they are dropped at the end.
     counters = {n: torch.stack([b] * n_clients) for n, b in model.state_dict().items() if n not in stacked}
     stacked = stacked | counters
 
     batched_grad = vmap(grad(_loss, argnums=1), in_dims=(None, 0, 0, 0, 0))
+    every = torch.cat(list(train_idx))  # the clients' indices end to end; row j starts at starts[j]
+    starts = [0, *itertools.accumulate(len(idx) for idx in train_idx)][:-1]
+    row_sets: dict[tuple[int, ...], torch.Tensor] = {}  # each group's rows on the device, made once
     with ort_batchnorm(model, functional=True):
         for phase_index, phase in enumerate(phases):
             names = freeze_for_phase(model, manifest, phase.trained)
@@ -62,15 +69,22 @@ def train_clients_batched(
             for epoch in range(phase.epochs or local_epochs):
                 batches = [phase_batches(len(idx), batch_size, key, phase_index, epoch)
                            for idx, key in zip(train_idx, generators, strict=True)]
+                samples = _epoch_samples(every, starts, batches)
                 for step in range(max(len(b) for b in batches)):
-                    groups: dict[int, list[int]] = {}
+                    groups: dict[tuple[int, int], list[int]] = {}  # (position, size) -> the clients there
                     for j, client_batches in enumerate(batches):
                         if step < len(client_batches):
-                            groups.setdefault(len(client_batches[step]), []).append(j)
-                    for members in groups.values():
-                        sample = torch.stack([train_idx[j][batches[j][step].to(x.device)] for j in members])
+                            at = step * batch_size  # every batch before the last is full
+                            groups.setdefault((at, len(client_batches[step])), []).append(j)
+                    for (at, size), members in groups.items():
+                        if len(members) == n_clients:
+                            sample = samples[:, at:at + size]
+                        else:
+                            if tuple(members) not in row_sets:
+                                row_sets[tuple(members)] = torch.tensor(members, device=x.device)
+                            sample = samples[row_sets[tuple(members)], at:at + size]
                         _step(batched_grad, model, stacked, velocity, names, members, n_clients,
-                              x[sample], y[sample], lr, momentum)
+                              x[sample], y[sample], lr, momentum, row_sets.get(tuple(members)))
                         if on_step is not None:
                             on_step(len(members))
                         if on_rows is not None:
@@ -78,15 +92,26 @@ def train_clients_batched(
     model.requires_grad_(True)
 
 
+def _epoch_samples(every: torch.Tensor, starts: list[int], batches: list[list[torch.Tensor]]) -> torch.Tensor:
+    """One epoch's sample indices of every client as a [clients, longest] matrix on the device (row j: client
+    j's batches end to end, padded): the order made on the host, moved in one copy, gathered there."""
+    longest = max(sum(len(b) for b in client) for client in batches)
+    positions = torch.zeros(len(batches), longest, dtype=torch.int64)
+    for j, client in enumerate(batches):
+        order = torch.cat(client)
+        positions[j, : len(order)] = order + starts[j]
+    return every[positions.to(every.device, non_blocking=True)]
+
+
 def _loss(model: nn.Module, trained, rest, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(functional_call(model, {**trained, **rest}, (xb,)), yb)
 
 
 @torch.no_grad()
-def _step(batched_grad, model, stacked, velocity, names, members, n_clients, xb, yb, lr, momentum) -> None:
-    """One SGD step for the clients in `members` on their batches xb [G, B, ...], yb [G, B]."""
+def _step(batched_grad, model, stacked, velocity, names, members, n_clients, xb, yb, lr, momentum, rows) -> None:
+    """One SGD step for the clients in `members` (on the device: `rows`, None for all) on their batches
+    xb [G, B, ...], yb [G, B]."""
     whole = len(members) == n_clients
-    rows = None if whole else torch.tensor(members, device=xb.device)
     part = stacked if whole else {n: t.index_select(0, rows) for n, t in stacked.items()}
     trained = {n: part[n] for n in names}
     rest = {n: t for n, t in part.items() if n not in trained}

@@ -76,7 +76,7 @@ def run_config(options: dict[str, Any]) -> RunConfig:
             model=o.model, width=o.width, algorithm=o.algorithm, kp=kp, local_epochs=o.local_epochs,
             batch_size=o.batch_size or PAPER_BATCH.get(o.dataset, 128), lr=o.lr, momentum=o.momentum, seed=o.seed,
             eval_finetune_epochs=o.eval_finetune_epochs, eval_finetune=o.eval_finetune, engine=o.engine,
-            channels_last=o.channels_last,
+            channels_last=o.channels_last, precision=o.precision,
             eval_finetune_every_algorithm=o.eval_finetune_every_algorithm,
             eval_finetune_interval=o.eval_finetune_interval, lr_decay=o.lr_decay,
             lr_milestones=parse_milestones(o.lr_milestones),
@@ -153,6 +153,8 @@ def run(
     engine: str = typer.Option("auto", help="auto (vmap on GPU, sequential on CPU) | sequential | vmap"),
     channels_last: bool = typer.Option(True, help="On CPU, train on batches in NHWC memory order (faster; the "
                                                   "same values to float32 rounding; not the vmap engine)"),
+    precision: str = typer.Option("float32", help="float32 | bf16: forward and backward under bfloat16 autocast, "
+                                                  "weights, SGD and BatchNorm statistics in float32 (for GPUs)"),
     input_size: int | None = typer.Option(None, min=1, help="Image side in pixels (default: the data's; digits 32)"),
     scale: float = typer.Option(1.0, help="Fraction (<= 1) of the samples and rounds kept, for smoke runs"),
     out: Path = typer.Option(Path("runs/emulate"), help="Run directory: config.json, metrics.jsonl, "
@@ -324,6 +326,8 @@ def figure(
     seed: int = typer.Option(0, help="Seed of every run"),
     model: list[str] | None = typer.Option(None, metavar="MODEL", help="Only the curves of this model (repeatable)"),
     device: str = typer.Option("auto", help="auto (cuda when present, else cpu) | cpu | cuda"),
+    precision: str | None = typer.Option(None, help="float32 (default) | bf16: every run under bfloat16 autocast, "
+                                                    "weights, SGD and BatchNorm statistics in float32"),
     out: Path = typer.Option(Path("runs/figures"), help="Folder for the runs; the PNG is OUT/NAME.png"),
     progress: bool = typer.Option(True, help="Show each run's progress: bars in a terminal, else a line a round"),
     jobs: int = typer.Option(1, min=1, help="Runs at a time, each in its own single-threaded process (CPU: up to "
@@ -351,7 +355,8 @@ def figure(
 
     fleet = {"width": width, "local_epochs": local_epochs, "batch_size": batch_size, "lr": lr, "momentum": momentum,
              "eval_finetune_epochs": eval_finetune_epochs,
-             "clients_per_round": clients_per_round, "clip_norm": clip_norm, "dp_delta": dp_delta}
+             "clients_per_round": clients_per_round, "clip_norm": clip_norm, "dp_delta": dp_delta,
+             "precision": precision}
     data_opts = {"clients": clients, "classes_per_client": classes_per_client, "shards": shards,
                  "input_size": input_size}
     clock = {"trace": str(trace) if trace else None, "concurrency": concurrency, "buffer_size": buffer_size,

@@ -26,7 +26,7 @@ import torch
 from fedper import checkpoint
 from fedper.algorithms import Algorithm
 from fedper.emulate import distributed
-from fedper.emulate.data import DataConfig, FleetData, load_fleet_data
+from fedper.emulate.data import DataConfig, FleetData, load_fleet_data, same_images
 from fedper.emulate.fleet import Fleet, FleetConfig, FleetState, load_state, resolve_device, save_state
 from fedper.emulate.progress import Board, Event
 from fedper.models.warm_start import RUN_WEIGHTS, save_weights, warm_start
@@ -235,7 +235,7 @@ def _share_tensors(data: FleetData, loaded: list[FleetData]) -> FleetData:
     """`data` holding the image and label tensors of an earlier run when they are equal (runs that differ only in
     their partition, k or seed at full scale), so stacked runs keep one copy on the device; `loaded` grows."""
     for other in loaded:
-        if other.x.shape == data.x.shape and torch.equal(other.x, data.x) and torch.equal(other.y, data.y):
+        if same_images(other.x, data.x) and torch.equal(other.y, data.y):
             return replace(data, x=other.x, y=other.y)
     loaded.append(data)
     return data

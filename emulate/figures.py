@@ -259,6 +259,8 @@ def make_figure(
             run_dir = run_dir.with_name(f"{run_dir.name}-z{f.dp_noise_multiplier:g}")
         if f.bn != "shared":
             run_dir = run_dir.with_name(f"{run_dir.name}-bn{f.bn}")
+        if f.precision != "float32":  # beside the float32 runs, not over them
+            run_dir = run_dir.with_name(f"{run_dir.name}-{f.precision}")
         if spec.seeds > 1:
             run_dir = run_dir.with_name(f"{run_dir.name}-seed{f.seed}")
         if not finished_run(run_dir, config):

@@ -40,6 +40,7 @@ import math
 import statistics
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,6 +73,7 @@ from fedper.selection import select
 from fedper.training import evaluate, load_tensors
 
 ENGINES = ("auto", "sequential", "vmap")
+PRECISIONS = ("float32", "bf16")
 LOCAL_INITS = ("random", "broadcast")
 Tensors = dict[str, torch.Tensor]
 
@@ -98,6 +100,8 @@ class FleetConfig:
     lr_decay: float = 0.1
     engine: str = "auto"
     channels_last: bool = True  # batches in NHWC order on the CPU (train.train_client): faster, same values
+    # "bf16": forward and backward under autocast to bfloat16; weights, SGD and BatchNorm statistics stay float32
+    precision: str = "float32"
     clients_per_round: int | None = None  # None: every client trains in every round
     bn: str = "shared"  # the BatchNorm policy (fedper.manifest.BN_POLICIES): shared | local (FedBN) | batch (FedBABU)
     # "random": each client's local tensors are its own random draw keyed by (seed, client), where the
@@ -181,6 +185,8 @@ class Fleet:
         per rank under torch.distributed, where the aggregate and the metrics are all-reduced)."""
         if config.engine not in ENGINES:
             raise ValueError(f"unknown engine {config.engine!r}; choose one of {', '.join(ENGINES)}")
+        if config.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {config.precision!r}; choose one of {', '.join(PRECISIONS)}")
         if config.local_init not in LOCAL_INITS:
             raise ValueError(f"unknown local init {config.local_init!r}; choose one of {', '.join(LOCAL_INITS)}")
         self.config, self.data = config, data
@@ -208,6 +214,24 @@ class Fleet:
         self.expected_participants = min(config.clients_per_round or len(data.clients), len(data.clients))
         self.sampling_rate = self.expected_participants / len(data.clients)  # q = M / N, for the accountant
         self._check_privacy()
+
+    @contextmanager
+    def compute(self) -> Iterator[None]:
+        """Where training and evaluation run: with --precision bf16, autocast to bfloat16 (the model's tensors,
+        their gradients and SGD stay float32) and every BatchNorm layer normalizing, and updating its running
+        statistics, in float32 (vmap's BatchNorm takes no bfloat16 input with float32 statistics); else as it is."""
+        if self.config.precision != "bf16":
+            yield
+            return
+        handles = [m.register_forward_pre_hook(_float_input) for m in self.model.modules()
+                   if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        try:
+            # no cache of bfloat16 weight copies: it lives as long as the context, over steps that change the weights
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=False):
+                yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def _check_privacy(self) -> None:
         """The coordinator's rules for the privacy options, and a budget that round 1 alone would exceed."""
@@ -401,9 +425,11 @@ class Fleet:
         if self.engine == "sequential":
             for j in members:
                 load_tensors(self.model, state.shared, state.local[j])
-                train_client(self.model, self.manifest, phases, d.x, d.y, d.clients[j][0],
-                             generator=client_generator(seed, state.round, j, PURPOSE_TRAIN),
-                             channels_last=self.channels_last, on_step=on_step, **self.train_settings(state.round + 1))
+                with self.compute():
+                    train_client(self.model, self.manifest, phases, d.x, d.y, d.clients[j][0],
+                                 generator=client_generator(seed, state.round, j, PURPOSE_TRAIN),
+                                 channels_last=self.channels_last, on_step=on_step,
+                                 **self.train_settings(state.round + 1))
                 trained = exported_state(self.model)
                 yield ({n: trained[n].detach().clone() for n in self.shared_names},
                        {n: trained[n].detach().clone() for n in self.local_names})
@@ -411,8 +437,10 @@ class Fleet:
         stacked = {n: torch.stack([state.shared[n]] * len(members)) for n in self.shared_names}
         stacked |= {n: torch.stack([state.local[j][n] for j in members]) for n in self.local_names}
         generators = [client_generator(seed, state.round, j, PURPOSE_TRAIN) for j in members]
-        train_clients_batched(self.model, self.manifest, phases, d.x, d.y, [d.clients[j][0] for j in members],
-                              stacked, generators=generators, on_step=on_step, **self.train_settings(state.round + 1))
+        with self.compute():
+            train_clients_batched(self.model, self.manifest, phases, d.x, d.y, [d.clients[j][0] for j in members],
+                                  stacked, generators=generators, on_step=on_step,
+                                  **self.train_settings(state.round + 1))
         for row in range(len(members)):
             yield ({n: stacked[n][row] for n in self.shared_names},
                    {n: stacked[n][row].clone() for n in self.local_names})
@@ -432,14 +460,20 @@ class Fleet:
         train_idx, test_idx = self.data.clients[j]
         load_tensors(self.model, state.shared, state.local[j])
         batch_statistics = self.manifest.bn == "batch"
-        initial = evaluate(self.model, self.data.x, self.data.y, test_idx, batch_statistics=batch_statistics)
-        if not finetune:
-            return initial, initial
-        phase = Phase(self.config.eval_finetune, self.config.eval_finetune_epochs)
-        train_client(self.model, self.manifest, (phase,), self.data.x, self.data.y, train_idx,
-                     generator=client_generator(state.seed, state.round, j, PURPOSE_FINETUNE),
-                     channels_last=self.channels_last, on_step=on_step, **self.train_settings(state.round + 1))
-        return initial, evaluate(self.model, self.data.x, self.data.y, test_idx, batch_statistics=batch_statistics)
+        with self.compute():
+            initial = evaluate(self.model, self.data.x, self.data.y, test_idx, batch_statistics=batch_statistics)
+            if not finetune:
+                return initial, initial
+            phase = Phase(self.config.eval_finetune, self.config.eval_finetune_epochs)
+            train_client(self.model, self.manifest, (phase,), self.data.x, self.data.y, train_idx,
+                         generator=client_generator(state.seed, state.round, j, PURPOSE_FINETUNE),
+                         channels_last=self.channels_last, on_step=on_step, **self.train_settings(state.round + 1))
+            return initial, evaluate(self.model, self.data.x, self.data.y, test_idx, batch_statistics=batch_statistics)
+
+
+def _float_input(_module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """A BatchNorm forward pre-hook: its input in float32 (under bf16 autocast a convolution gives bfloat16)."""
+    return (inputs[0].float(), *inputs[1:])
 
 
 def random_local_init(model: torch.nn.Module, local_names: Sequence[str], seed: int) -> Tensors:

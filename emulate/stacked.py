@@ -21,6 +21,7 @@ from torch import nn
 
 from fedper.batches import PURPOSE_TRAIN
 from fedper.emulate.batched import train_clients_batched
+from fedper.emulate.data import Images, cat_images
 from fedper.emulate.fleet import Fleet, FleetState, Tensors
 from fedper.emulate.train import OnStep, client_generator
 from fedper.training import freeze_for_phase
@@ -42,7 +43,7 @@ def step_signature(fleet: Fleet) -> Signature:
     model.requires_grad_(True)
     tensors = tuple((n, tuple(t.shape), t.dtype) for n, t in model.state_dict().items())
     return (type(model).__name__, tensors, tuple(phases), cfg.batch_size, cfg.momentum, str(fleet.device),
-            fleet.data.x.dtype)
+            fleet.data.x.dtype, cfg.precision)
 
 
 def row_bytes(fleet: Fleet) -> int:
@@ -81,7 +82,7 @@ def chunks(rows: int, per_row: int, budget: int) -> list[range]:
     return [range(start, min(rows, start + size)) for start in range(0, rows, size)]
 
 
-def _shared_data(fleets: Sequence[Fleet]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+def _shared_data(fleets: Sequence[Fleet]) -> tuple[Images, torch.Tensor, list[int]]:
     """One (x, y) for every fleet's rows and each fleet's offset into it: the fleets' own when they all hold the
     same tensors (runs loaded by run_stacked share them), else their concatenation."""
     unique: dict[int, int] = {}
@@ -95,7 +96,7 @@ def _shared_data(fleets: Sequence[Fleet]) -> tuple[torch.Tensor, torch.Tensor, l
         offsets.append(unique[key])
     if len(parts) == 1:
         return parts[0].data.x, parts[0].data.y, offsets
-    return torch.cat([f.data.x for f in parts]), torch.cat([f.data.y for f in parts]), offsets
+    return cat_images([f.data.x for f in parts]), torch.cat([f.data.y for f in parts]), offsets
 
 
 def stacked_round(
@@ -150,13 +151,14 @@ def _train_rows(fleets: Sequence[Fleet], states: Sequence[FleetState], rows: lis
                 tell = on_steps[rows[r][0]]
                 if tell is not None:
                     tell(1)
-    train_clients_batched(
-        first.model, first.manifest, first.algorithm.phases, x, y,
-        [fleets[i].data.clients[j][0] + offset[i] for i, j in rows], stacked,
-        local_epochs=settings[0]["local_epochs"], batch_size=settings[0]["batch_size"],
-        lr=[s["lr"] for s in settings], momentum=settings[0]["momentum"],
-        generators=[client_generator(states[i].seed, states[i].round, j, PURPOSE_TRAIN) for i, j in rows],
-        on_rows=report)
+    with first.compute():
+        train_clients_batched(
+            first.model, first.manifest, first.algorithm.phases, x, y,
+            [fleets[i].data.clients[j][0] + offset[i] for i, j in rows], stacked,
+            local_epochs=settings[0]["local_epochs"], batch_size=settings[0]["batch_size"],
+            lr=[s["lr"] for s in settings], momentum=settings[0]["momentum"],
+            generators=[client_generator(states[i].seed, states[i].round, j, PURPOSE_TRAIN) for i, j in rows],
+            on_rows=report)
     for r, (i, j) in enumerate(rows):
         fleet = fleets[i]
         trained[i][j] = ({n: stacked[n][r] for n in fleet.shared_names},

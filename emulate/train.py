@@ -17,6 +17,7 @@ from torch import nn
 
 from fedper.algorithms import Phase
 from fedper.batches import client_seed, epoch_batches
+from fedper.emulate.data import Images
 from fedper.manifest import Manifest
 from fedper.training import ort_batchnorm, phase_optimizer, sgd_step
 
@@ -42,11 +43,21 @@ def phase_batches(n: int, batch_size: int, key: BatchKey, phase_index: int, epoc
     return [torch.from_numpy(b) for b in epoch_batches(n, batch_size, (seed, round_, first_phase + phase_index, epoch))]
 
 
+def epoch_samples(train_idx: torch.Tensor, batch_size: int, key: BatchKey, phase_index: int,
+                  epoch: int) -> list[torch.Tensor]:
+    """One epoch's batches of sample indices on train_idx's device: the kernel's order made on the host
+    once, moved in one copy and gathered through train_idx there, then cut into views, so the steps of
+    the epoch copy nothing from the host and wait for nothing."""
+    batches = phase_batches(len(train_idx), batch_size, key, phase_index, epoch)
+    samples = train_idx[torch.cat(batches).to(train_idx.device, non_blocking=True)]
+    return list(samples.split([len(b) for b in batches]))
+
+
 def train_client(
     model: nn.Module,
     manifest: Manifest,
     phases: Sequence[Phase],
-    x: torch.Tensor,
+    x: Images,
     y: torch.Tensor,
     train_idx: torch.Tensor,
     *,
@@ -72,8 +83,7 @@ def train_client(
         for phase_index, phase in enumerate(phases):
             optimizer = phase_optimizer(model, manifest, phase.trained, lr=lr, momentum=momentum)
             for epoch in range(phase.epochs or local_epochs):
-                for batch in phase_batches(len(train_idx), batch_size, generator, phase_index, epoch):
-                    idx = train_idx[batch.to(train_idx.device)]
+                for idx in epoch_samples(train_idx, batch_size, generator, phase_index, epoch):
                     sgd_step(model, optimizer, x[idx].contiguous(memory_format=layout), y[idx])
                     if on_step is not None:
                         on_step(1)
