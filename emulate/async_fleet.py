@@ -47,7 +47,7 @@ from fedper.emulate.clock import Device, fleet_from_trace, load_trace
 from fedper.emulate.data import DataConfig, FleetData, load_fleet_data
 from fedper.emulate.distributed import combine
 from fedper.emulate.experiment import CONFIG, DATA, METRICS, STATE, SUMMARY, RunError, describe_data
-from fedper.emulate.fleet import Fleet, FleetConfig, FleetState, resolve_device
+from fedper.emulate.fleet import Fleet, FleetConfig, resolve_device
 from fedper.emulate.progress import Board
 from fedper.selection import invitations, select
 
@@ -178,8 +178,8 @@ class ClockedFleet:
                  started: float | None = None) -> dict:
         """The metrics of the current version: every device with its base and its own head, on its own test split."""
         started = time.perf_counter() if started is None else started
-        view = FleetState(state.version, self._torch(state.model), state.local, self.config.fleet.seed)
-        results = [self.fleet._evaluate(view, j, False)[0] for j in range(len(self.devices))]
+        shared = self._torch(state.model)
+        results = [self.fleet.evaluate_client(j, shared, state.local[j]) for j in range(len(self.devices))]
         accuracy = [a for a, _ in results]
         return {"version": state.version, "time_s": state.time, "uploads": state.uploads, "refused": state.refused,
                 "dropped": state.dropped, "participants": participants or [], "staleness": staleness or [],
@@ -228,10 +228,10 @@ class ClockedFleet:
             if folded:
                 break
         shared = self._torch(state.model)
-        round_state = FleetState(state.version, shared, state.local, self.config.fleet.seed)
         rule = WeightedMean()
-        for j, (trained, own) in zip(folded, self.fleet._train(round_state, folded), strict=True):
-            rule.add(self.fleet._update(trained, round_state), self.fleet.data.n_train[j])
+        trained_clients = self.fleet.train_clients(shared, state.local, folded, state.version, self.config.fleet.seed)
+        for j, (trained, own) in zip(folded, trained_clients, strict=True):
+            rule.add(self.fleet.update(trained, shared), self.fleet.data.n_train[j])
             state.local[j] = own
             state.trainings[j] += 1
         state.model = _numpy(combine(rule, shared))
@@ -280,8 +280,8 @@ class ClockedFleet:
         """Device j's training on the version it downloaded, its head kept, its delta folded (or refused)."""
         assert state.buffer is not None
         downloaded = state.versions[job.version]
-        view = FleetState(state.trainings[j], self._torch(downloaded), state.local, self.config.fleet.seed)
-        ((trained, own),) = self.fleet._train(view, [j])
+        ((trained, own),) = self.fleet.train_clients(self._torch(downloaded), state.local, [j], state.trainings[j],
+                                                     self.config.fleet.seed)
         upload = f"{j}#{state.trainings[j]}"  # unique per upload: a fast device may train twice on one version
         state.local[j] = own
         state.trainings[j] += 1

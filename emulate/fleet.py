@@ -323,11 +323,12 @@ class Fleet:
         """The rest of the round after `state` from its trainees' (client, (shared, local)) tensors, however they
         were trained (this fleet, or emulate/stacked.py with other runs): the aggregate and every member's
         evaluation; `start`: when the round began, for wall_s."""
-        aggregate = self._dp_rule(state) if state.privacy is not None else WeightedMean()
+        private = state.privacy is not None
+        aggregate = self._dp_rule(state) if private else WeightedMean()
         local = list(state.local)
         selected = self.selected(state.round + 1, state.seed)
         for j, (shared, own) in trained:
-            aggregate.add(self._update(shared, state), self.data.n_train[j])
+            aggregate.add(as_float64(shared) if private else self.update(shared, state.shared), self.data.n_train[j])
             local[j] = own
         privacy, figures = state.privacy, None
         if isinstance(aggregate, DPFedAvg):
@@ -360,13 +361,13 @@ class Fleet:
         }
         return new, metrics
 
-    def _update(self, shared: Tensors, state: FleetState) -> Tensors:
-        """A client's shared tensors as the server folds them, in float64 (the rules sum in it): as they are
-        under DP (its rule clips) or without a clip norm, else clipped to clip_norm around the round model."""
-        if state.privacy is not None or self.config.clip_norm is None:
-            return as_float64(shared)
-        deltas = clip_delta(shared, state.shared, self.config.clip_norm, self.shared_names)
-        return {n: state.shared[n].double() + deltas[n] for n in self.shared_names}
+    def update(self, trained: Tensors, round_model: Tensors) -> Tensors:
+        """A client's shared tensors as the server folds them without DP, in float64 (the rules sum in it):
+        clipped to clip_norm around `round_model` when it is set (under DP the rule clips: see finish_round)."""
+        if self.config.clip_norm is None:
+            return as_float64(trained)
+        deltas = clip_delta(trained, round_model, self.config.clip_norm, self.shared_names)
+        return {n: round_model[n].double() + deltas[n] for n in self.shared_names}
 
     def _dp_rule(self, state: FleetState) -> DPFedAvg:
         """The round's DP-FedAvg: the round model as reference, the clip norm of now, round k's noise generator."""
@@ -420,27 +421,34 @@ class Fleet:
 
     def _train(self, state: FleetState, members: list[int],
                on_step: OnStep | None = None) -> Iterator[tuple[Tensors, Tensors]]:
-        """Each of `members`' (shared, local) tensors after its local training, in their order."""
-        d, phases, seed = self.data, self.algorithm.phases, state.seed
+        """run_round's training of `members` from `state` (a subclass may wrap it, as benchmarks/wire.py does)."""
+        return self.train_clients(state.shared, state.local, members, state.round, state.seed, on_step)
+
+    def train_clients(self, shared: Tensors, local: Sequence[Tensors], members: Sequence[int], round_: int, seed: int,
+                      on_step: OnStep | None = None) -> Iterator[tuple[Tensors, Tensors]]:
+        """Each of `members`' (shared, local) tensors after its local training from `shared` and its own
+        `local[j]`, in their order: client j's batches those of round index `round_` (the rounds done before;
+        a clocked device's trainings) under `seed`, at the lr of round `round_` + 1."""
+        d, phases = self.data, self.algorithm.phases
         if self.engine == "sequential":
             for j in members:
-                load_tensors(self.model, state.shared, state.local[j])
+                load_tensors(self.model, shared, local[j])
                 with self.compute():
                     train_client(self.model, self.manifest, phases, d.x, d.y, d.clients[j][0],
-                                 generator=client_generator(seed, state.round, j, PURPOSE_TRAIN),
+                                 generator=client_generator(seed, round_, j, PURPOSE_TRAIN),
                                  channels_last=self.channels_last, on_step=on_step,
-                                 **self.train_settings(state.round + 1))
+                                 **self.train_settings(round_ + 1))
                 trained = exported_state(self.model)
                 yield ({n: trained[n].detach().clone() for n in self.shared_names},
                        {n: trained[n].detach().clone() for n in self.local_names})
             return
-        stacked = {n: torch.stack([state.shared[n]] * len(members)) for n in self.shared_names}
-        stacked |= {n: torch.stack([state.local[j][n] for j in members]) for n in self.local_names}
-        generators = [client_generator(seed, state.round, j, PURPOSE_TRAIN) for j in members]
+        stacked = {n: torch.stack([shared[n]] * len(members)) for n in self.shared_names}
+        stacked |= {n: torch.stack([local[j][n] for j in members]) for n in self.local_names}
+        generators = [client_generator(seed, round_, j, PURPOSE_TRAIN) for j in members]
         with self.compute():
             train_clients_batched(self.model, self.manifest, phases, d.x, d.y, [d.clients[j][0] for j in members],
                                   stacked, generators=generators, on_step=on_step,
-                                  **self.train_settings(state.round + 1))
+                                  **self.train_settings(round_ + 1))
         for row in range(len(members)):
             yield ({n: stacked[n][row] for n in self.shared_names},
                    {n: stacked[n][row].clone() for n in self.local_names})
@@ -452,23 +460,29 @@ class Fleet:
         c = self.config
         return (self.algorithm.fine_tune_head_at_eval or c.eval_finetune_every_algorithm) and c.eval_finetune_epochs > 0
 
+    def evaluate_client(self, j: int, shared: Tensors, local: Tensors) -> tuple[float, float]:
+        """Client j's (accuracy, loss) as it would serve: `shared` and its own `local` tensors, on its test split."""
+        load_tensors(self.model, shared, local)
+        with self.compute():
+            return evaluate(self.model, self.data.x, self.data.y, self.data.clients[j][1],
+                            batch_statistics=self.manifest.bn == "batch")
+
     def _evaluate(self, state: FleetState, j: int, finetune: bool,
                   on_step: OnStep | None = None) -> tuple[tuple[float, float], tuple[float, float]]:
         """Client j's (accuracy, loss) before and after fine-tuning a copy (`finetune`: the same pair twice
         without it) at the lr the next round trains with (FedBABU's scripts fine-tune after the round's lr
         decay); the state keeps the untuned tensors."""
+        initial = self.evaluate_client(j, state.shared, state.local[j])
+        if not finetune:
+            return initial, initial
         train_idx, test_idx = self.data.clients[j]
-        load_tensors(self.model, state.shared, state.local[j])
-        batch_statistics = self.manifest.bn == "batch"
-        with self.compute():
-            initial = evaluate(self.model, self.data.x, self.data.y, test_idx, batch_statistics=batch_statistics)
-            if not finetune:
-                return initial, initial
-            phase = Phase(self.config.eval_finetune, self.config.eval_finetune_epochs)
+        phase = Phase(self.config.eval_finetune, self.config.eval_finetune_epochs)
+        with self.compute():  # the model holds client j's tensors still
             train_client(self.model, self.manifest, (phase,), self.data.x, self.data.y, train_idx,
                          generator=client_generator(state.seed, state.round, j, PURPOSE_FINETUNE),
                          channels_last=self.channels_last, on_step=on_step, **self.train_settings(state.round + 1))
-            return initial, evaluate(self.model, self.data.x, self.data.y, test_idx, batch_statistics=batch_statistics)
+            return initial, evaluate(self.model, self.data.x, self.data.y, test_idx,
+                                     batch_statistics=self.manifest.bn == "batch")
 
 
 def _float_input(_module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

@@ -15,6 +15,8 @@ with `ast` (nothing is imported, so lazy imports inside functions and TYPE_CHECK
   inputs, announcements, records) do no I/O either and read no clock: they import no MQTT client, not the state
   directory's `Store`, the shell that carries out their effects (coordinator/durable.py) nor `time`, and call
   no file method.
+- the clocked fleet (emulate/async_fleet.py, emulate/clock.py) drives the emulator's Fleet through its public
+  methods alone: it reaches into no other object's private members and builds no FleetState of its own.
 
 Folders map to packages through pyproject.toml's [tool.setuptools.package-dir].
 """
@@ -296,3 +298,36 @@ def test_checker_finds_a_broken_rule_in_a_copy_of_the_tree(tmp_path: Path) -> No
     mean.write_text(mean.read_text() + "\nfrom fedper.coordinator.service import run_service\n")
     (found,) = violations(tmp_path, EXCEPTIONS)
     assert found.startswith("coordinator/strategies/mean.py:") and "fedper.coordinator.service.run_service" in found
+
+
+# The clocked fleet (emulate/async_fleet.py, emulate/clock.py) drives Fleet through its public interface alone:
+# no private member of another object, no FleetState of its own making (a "view" whose round is not a round).
+CLOCKED = ("async_fleet.py", "clock.py")
+
+
+def private_reaches(source: str) -> list[tuple[str, int]]:
+    """(name, line) of every `x._name` whose x is not the module's own `self`, and of every use of FleetState."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
+            found.append((node.attr, node.lineno))
+        elif isinstance(node, ast.Name) and node.id == "FleetState":
+            found.append((node.id, node.lineno))
+    return found
+
+
+def test_the_clocked_fleet_uses_only_fleets_public_interface() -> None:
+    folder = package_dirs(ROOT)["fedper.emulate"]
+    for name in CLOCKED:
+        assert private_reaches((folder / name).read_text()) == [], name
+
+
+@pytest.mark.parametrize(("source", "found"), [
+    ("self.fleet._train(view, [j])", [("_train", 1)]),
+    ("fleet._evaluate(v, 0, False)", [("_evaluate", 1)]),
+    ("view = FleetState(0, {}, [])", [("FleetState", 1)]),
+    ("self._torch(m); self.fleet.train_clients(s, l, [j], 0, 0); x.__class__", []),
+])
+def test_private_reaches_are_found(source: str, found: list[tuple[str, int]]) -> None:
+    assert private_reaches(source) == found
