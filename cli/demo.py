@@ -215,7 +215,7 @@ def plot(results: dict[str, dict], devices: list[Device], classes: list[str], da
     import matplotlib.pyplot as plt
 
     from fedper.data import chance_accuracy
-    from fedper.emulate.figures import chance_legend, draw_chance, integer_rounds
+    from fedper.emulate.drawing import chance_legend, draw_chance, integer_rounds
 
     fig, (bars, curve) = plt.subplots(1, 2, figsize=(11, 4.4))
     x = np.arange(len(devices))

@@ -85,7 +85,7 @@ def draw(series: list[Series], png: Path, title: str | None = None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fedper.emulate.figures import chance_legend, draw_chance, integer_rounds
+    from fedper.emulate.drawing import chance_legend, draw_chance, integer_rounds
 
     with_loss = any(s.loss for s in series)
     fig, axes = plt.subplots(1, 2 if with_loss else 1, figsize=(11 if with_loss else 6, 4), squeeze=False)

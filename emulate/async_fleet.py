@@ -34,7 +34,8 @@ import logging
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +49,7 @@ from fedper.emulate.data import DataConfig, FleetData, load_fleet_data
 from fedper.emulate.distributed import combine
 from fedper.emulate.experiment import CONFIG, DATA, METRICS, STATE, SUMMARY, RunError, describe_data
 from fedper.emulate.fleet import Fleet, FleetConfig, resolve_device
-from fedper.emulate.progress import Board
+from fedper.emulate.progress import Board, Event
 from fedper.selection import invitations, select
 
 MODES = ("sync", "async")
@@ -106,6 +107,14 @@ class ClockRunConfig:
         body = json.loads(text)
         return cls(DataConfig(**body["data"]), FleetConfig(**body["fleet"]), ClockConfig(**body["clock"]),
                    body["device"])
+
+    def with_budget_of(self, other: ClockRunConfig) -> ClockRunConfig:
+        """This run with `other`'s upload budget: a run extended or cut short is the same run."""
+        return replace(self, clock=replace(self.clock, uploads=other.clock.uploads))
+
+    def budget_spent(self, summary: dict) -> bool:
+        """Whether a run that wrote `summary` spent this config's uploads (it stops at the release after them)."""
+        return summary["uploads"] >= self.clock.uploads
 
 
 @dataclass(frozen=True)
@@ -340,17 +349,21 @@ def load_state(path: Path, buffer_config: BufferConfig, device: torch.device) ->
 # ---------------------------------------------------------------- a run
 
 
-def run_clocked(config: ClockRunConfig, out: str | Path, *, resume: bool = False, show_progress: bool = True) -> dict:
+def run_clocked(config: ClockRunConfig, out: str | Path, *, resume: bool = False, show_progress: bool = True,
+                report: Callable[[Event], None] | None = None, label: str | None = None) -> dict:
     """Run (or resume) `config` in `out` and return its summary; on resume the upload budget may differ from the
-    saved one (to extend a run), everything else comes from OUT/config.json."""
+    saved one (to extend a run), everything else comes from OUT/config.json. Progress goes to `report` (events
+    keyed by `out`, named `label`) when given, else to a bar of its own when `show_progress`."""
+    if report is None:
+        with Board(show_progress) as board:  # bars in a terminal, a line a release elsewhere
+            return run_clocked(config, out, resume=resume, report=board.report, label=label)
     out = Path(out)
     history: list[dict] = []
     if resume:
         if not (out / STATE).exists():
             raise RunError(f"nothing to resume: {out / STATE} does not exist")
         saved = ClockRunConfig.from_json((out / CONFIG).read_text())
-        config = ClockRunConfig(saved.data, saved.fleet, ClockConfig(**{**asdict(saved.clock),
-                                                                        "uploads": config.clock.uploads}), saved.device)
+        config = saved.with_budget_of(config)
     elif (out / STATE).exists():
         raise RunError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
     device = resolve_device(config.device)
@@ -367,18 +380,17 @@ def run_clocked(config: ClockRunConfig, out: str | Path, *, resume: bool = False
         f.writelines(json.dumps(m) + "\n" for m in history)
     checkpoint.write_json(out / DATA, describe_data(clocked.fleet), indent=2)  # the figure's name and chance line
     budget, key = config.clock.uploads, str(out)
-    with Board(show_progress) as board:  # bars in a terminal, a line a release elsewhere
-        board.report({"event": "start", "run": key, "label": f"{config.clock.mode} {config.fleet.algorithm}",
-                      "rounds": budget, "done": min(state.uploads, budget), "unit": "upload"})
-        while state.uploads < budget:
-            metrics = clocked.release(state)
-            with (out / METRICS).open("a") as f:
-                f.write(json.dumps(metrics) + "\n")
-            save_state(state, out / STATE)
-            history.append(metrics)
-            board.report({"event": "round", "run": key, "round": min(state.uploads, budget),
-                          "accuracy": metrics["mean_accuracy"], "wall_s": metrics["wall_s"]})
-        board.report({"event": "end", "run": key})
+    report({"event": "start", "run": key, "label": label or f"{config.clock.mode} {config.fleet.algorithm}",
+            "rounds": budget, "done": min(state.uploads, budget), "unit": "upload"})
+    while state.uploads < budget:
+        metrics = clocked.release(state)
+        with (out / METRICS).open("a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        save_state(state, out / STATE)
+        history.append(metrics)
+        report({"event": "round", "run": key, "round": min(state.uploads, budget),
+                "accuracy": metrics["mean_accuracy"], "wall_s": metrics["wall_s"]})
+    report({"event": "end", "run": key})
     last = history[-1] if history else {}
     summary = {"mode": config.clock.mode, "algorithm": config.fleet.algorithm, "kp": config.fleet.kp,
                "clients": len(clocked.devices), "releases": state.version, "uploads": state.uploads,

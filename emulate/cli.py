@@ -260,7 +260,7 @@ def sweep(
 
     from fedper.data import DataError
     from fedper.emulate.experiment import RunError, run_stacked
-    from fedper.emulate.figures import finished_run, resumable_run
+    from fedper.emulate.figure_runs import finished_run, resumable_run
     from fedper.emulate.progress import Board
 
     command = typer.main.get_command(app).commands["run"]  # type: ignore[attr-defined]

@@ -60,6 +60,14 @@ class RunConfig:
         return cls(DataConfig(**body["data"]), FleetConfig(**body["fleet"]), body["rounds"], body["device"],
                    body.get("init"))
 
+    def with_budget_of(self, other: RunConfig) -> RunConfig:
+        """This run with `other`'s rounds: a run extended or cut short is the same run."""
+        return replace(self, rounds=other.rounds)
+
+    def budget_spent(self, summary: dict) -> bool:
+        """Whether a run that wrote `summary` ran this config's rounds."""
+        return summary["rounds"] == self.rounds
+
 
 def _read_metrics(path: Path, upto: int) -> list[dict]:
     """The metric lines of rounds 1..upto: a line written after the last saved state is dropped."""

@@ -7,17 +7,9 @@ data; the other overrides (width, epochs, input size, ...) make smoke runs fit o
 
 from __future__ import annotations
 
-import json
-import multiprocessing
-import queue
-import shutil
 import statistics
-import sys
 import textwrap
-import threading
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +17,19 @@ from fedper.algorithms import get_algorithm
 from fedper.data import DataError
 from fedper.data.sources import DATASET_NAMES
 from fedper.emulate.data import PAPER_BATCH, PAPER_CLIENTS, DataConfig, client_split, read_source
-from fedper.emulate.experiment import CONFIG, DATA, METRICS, STATE, SUMMARY, RunConfig, run_experiment, run_stacked
+from fedper.emulate.drawing import chance_legend, draw_chance, integer_rounds, pyplot, save
+from fedper.emulate.experiment import RunConfig, run_experiment, run_stacked
+from fedper.emulate.figure_runs import (
+    Pending,
+    finished_run,
+    needs_data,
+    read_history,
+    resumable_run,
+    run_all,
+    run_data_info,
+    start_over,
+)
 from fedper.emulate.fleet import FleetConfig, resolve_device
-from fedper.emulate.progress import Board, Event
 from fedper.emulate.variants import LINEAR_PREFIX
 from fedper.manifest import BN_POLICIES
 
@@ -228,14 +230,10 @@ def make_figure(
         if not spec.curves:
             raise ValueError(f"figure {name} has no curve for model(s) {', '.join(models)}")
     chosen = dataset or spec.dataset
-    if chosen != "digits" and data is None:
-        raise DataError(
-            f"figure {name} runs on {chosen}, which needs --data PATH (absent here); "
-            f"pass --data, or --dataset digits for a zero-download smoke run"
-        )
+    needs_data(name, chosen, data)
     out = Path(out) / name
     run_dirs: list[Path] = []
-    pending: list[tuple[RunConfig, Path, bool, str]] = []
+    pending: list[Pending] = []
     curves = [(i, seeded) for i, curve in enumerate(spec.curves) for seeded in _seeded(curve, spec.seeds)]
     for i, curve in curves:
         # the paper's per-data-set settings, unless the command set them
@@ -267,14 +265,11 @@ def make_figure(
             pending.append((config, run_dir, resumable_run(run_dir, config), _curve_label(curve, spec.seeds)))
         run_dirs.append(run_dir)
     _check_data(name, pending)  # every curve's split, before any of them trains
-    for _, run_dir, resume, _ in pending:
-        if not resume and run_dir.exists():
-            print(f"{run_dir}: its settings differ from this command's, so it starts over", file=sys.stderr)
-            shutil.rmtree(run_dir)
+    start_over(pending)
     if stack is None:
         stack = resolve_device(device).type == "cuda"
-    _run_all(pending, jobs, show_progress, stack)
-    runs = _over_seeds([(curve, _history(run_dir), run_data_info(run_dir))
+    run_all(pending, jobs, show_progress, run_experiment, run_stacked if stack else None)
+    runs = _over_seeds([(curve, read_history(run_dir), run_data_info(run_dir))
                         for (_, curve), run_dir in zip(curves, run_dirs, strict=True)], spec.seeds)
     png = out.parent / (f"{name}-s{base_data.shards}.png" if base_data.partition == "shards" else f"{name}.png")
     named = next((info["name"] for _, _, info in runs if info.get("name")), DATASET_NAMES.get(chosen, chosen))
@@ -287,7 +282,7 @@ def _curve_label(curve: Curve, seeds: int) -> str:
     return f"{label}, seed {curve.fleet.seed}" if seeds > 1 else label
 
 
-def _check_data(name: str, pending: list[tuple[RunConfig, Path, bool, str]]) -> None:
+def _check_data(name: str, pending: list[Pending]) -> None:
     """Split the data of every curve still to run, so that a setting that leaves a client without samples
     stops the command at once, naming the curve, instead of after the curves before it have trained."""
     sources: dict[tuple, Any] = {}
@@ -300,64 +295,6 @@ def _check_data(name: str, pending: list[tuple[RunConfig, Path, bool, str]]) -> 
             client_split(d, sources[key])
         except DataError as e:
             raise DataError(f"figure {name}, curve {label}: {e}") from None
-
-
-def _single_threaded() -> None:
-    import torch
-
-    torch.set_num_threads(1)
-
-
-def _run_all(pending: list[tuple[RunConfig, Path, bool, str]], jobs: int, show_progress: bool,
-             stack: bool = False) -> None:
-    """The runs stacked in this process (`stack`), or one after another, or `jobs` at a time in single-threaded
-    processes: on a CPU shared with other work, one process per core is faster than one process whose threads
-    wait for each other. Every run's progress goes to one board, from the other processes through a queue."""
-    if jobs < 1:
-        raise ValueError(f"jobs must be >= 1, got {jobs}")
-    with Board(show_progress) as board:
-        if stack and pending:
-            run_stacked(pending, report=board.report)
-            return
-        if jobs == 1 or len(pending) <= 1:
-            for config, run_dir, resume, label in pending:
-                run_experiment(config, run_dir, resume=resume, report=board.report, label=label)
-            return
-        spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch thread pool inherited by fork
-        workers = min(jobs, len(pending))
-        if not show_progress:
-            _in_processes(spawn, workers, pending, None)
-            return
-        print(f"{len(pending)} runs, {workers} at a time", file=sys.stderr)
-        with spawn.Manager() as manager:
-            events = manager.Queue()
-            pump = threading.Thread(target=_pump, args=(events, board), daemon=True)
-            pump.start()
-            try:
-                _in_processes(spawn, workers, pending, partial(_put, events))
-            finally:
-                events.put(None)
-                pump.join()
-
-
-def _in_processes(context: Any, workers: int, pending: list[tuple[RunConfig, Path, bool, str]],
-                  report: Any) -> None:
-    """The runs in `workers` single-threaded processes, their progress to `report` (None: none shown)."""
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_single_threaded) as pool:
-        futures = [pool.submit(run_experiment, c, d, resume=r, show_progress=report is not None, report=report,
-                               label=label) for c, d, r, label in pending]
-        for future in futures:
-            future.result()
-
-
-def _put(events: queue.Queue, event: Event) -> None:
-    events.put(event)
-
-
-def _pump(events: queue.Queue, board: Board) -> None:
-    """Hand the runs' progress events to the board until None comes."""
-    while (event := events.get()) is not None:
-        board.report(event)
 
 
 def _seeded(curve: Curve, seeds: int) -> list[Curve]:
@@ -391,31 +328,6 @@ def _over_seeds(runs: list[Run], seeds: int) -> list[Run]:
     return merged
 
 
-def resumable_run(run_dir: Path, config: RunConfig) -> bool:
-    """A saved run continues only if it is the same run; more or fewer rounds extend or reuse it."""
-    if not (run_dir / STATE).exists() or not (run_dir / CONFIG).exists():
-        return False
-    saved = RunConfig.from_json((run_dir / CONFIG).read_text())
-    return replace(saved, rounds=config.rounds) == config
-
-
-def finished_run(run_dir: Path, config: RunConfig) -> bool:
-    if not (run_dir / SUMMARY).exists():
-        return False
-    saved = RunConfig.from_json((run_dir / CONFIG).read_text())
-    return saved == config and json.loads((run_dir / SUMMARY).read_text())["rounds"] == config.rounds
-
-
-def _history(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines() if line.strip()]
-
-
-def run_data_info(run_dir: Path) -> dict:
-    """The run's data.json ({} for a run written before it existed: no chance line then)."""
-    path = run_dir / DATA
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
 def dataset_tag(spec: Spec, name: str) -> str:
     """The data a figure was drawn from (its real name: an .npz of CIFAR-10 is CIFAR-10), for its title:
     named a substitute when the paper has no such figure on it."""
@@ -423,41 +335,11 @@ def dataset_tag(spec: Spec, name: str) -> str:
     return name if name in papers else f"{name}, a substitute for {papers[0]}"
 
 
-CHANCE_STYLE = {"ls": ":", "lw": 1.2}
-
-
-def draw_chance(ax: Any, chance: float | None, colour: str) -> None:
-    """A curve's label prior as a dotted line in its colour: the accuracy of a guess that learned nothing."""
-    if chance is not None:
-        ax.axhline(chance, color=colour, **CHANCE_STYLE)
-
-
-def chance_legend(ax: Any, drawn: bool, colour: str = "grey") -> None:
-    """The legend, with one entry that explains the dotted chance lines when any was drawn."""
-    from matplotlib.lines import Line2D
-
-    handles, _ = ax.get_legend_handles_labels()
-    if drawn:
-        handles.append(Line2D([], [], color=colour, label="chance (label prior)", **CHANCE_STYLE))
-    ax.legend(handles=handles, fontsize=8)
-
-
-def integer_rounds(ax: Any) -> None:
-    from matplotlib.ticker import MaxNLocator
-
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-
-
 def _draw(spec: Spec, runs: list[Run], png: Path, dataset: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     panels = list(dict.fromkeys(curve.panel for curve, _, _ in runs))
     cols = min(3, len(panels))
     rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False, sharey=True)
+    fig, axes = pyplot().subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False, sharey=True)
     for ax, panel in zip(axes.flat, panels, strict=False):
         chances = False
         for curve, history, info in runs:
@@ -488,22 +370,14 @@ def _draw(spec: Spec, runs: list[Run], png: Path, dataset: str) -> None:
         ax.axis("off")
     title = f"{spec.title} [{dataset_tag(spec, dataset)}]"
     fig.suptitle("\n".join(textwrap.wrap(title, 45 * cols)), fontsize=11)  # one panel is too narrow for one line
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=80)
-    plt.close(fig)
+    save(fig, png)
 
 
 def _draw_epsilon(spec: Spec, runs: list[Run], png: Path, dataset: str) -> None:
     """Left: each algorithm's last-round mean accuracy against the epsilon its run spent (log scale), one point
     per noise multiplier; runs without a finite epsilon (non-private, z = 0) as horizontal lines. Right: the
     accuracy per round of every run, one colour per algorithm."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, (left, right) = pyplot().subplots(1, 2, figsize=(10, 3.8))
     algorithms = list(dict.fromkeys(curve.fleet.algorithm for curve, _, _ in runs))
     styles = ["-", "--", "-.", (0, (5, 1)), (0, (3, 1, 1, 1)), (0, (5, 5))]  # dotted is the chance line's
     noises = list(dict.fromkeys(curve.fleet.dp_noise_multiplier for curve, _, _ in runs))
@@ -548,7 +422,4 @@ def _draw_epsilon(spec: Spec, runs: list[Run], png: Path, dataset: str) -> None:
         ax.grid(alpha=0.3)
         chance_legend(ax, chances)
     fig.suptitle(f"{spec.title} [{dataset_tag(spec, dataset)}]", fontsize=11)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=80)
-    plt.close(fig)
+    save(fig, png)
