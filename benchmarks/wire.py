@@ -139,12 +139,12 @@ def run_fleet(seed: int, rounds: int, codec: str, errors: list[float],
     class CompressedFleet(Fleet):
         """A fleet whose clients send their shared tensors through a codec, as a device would."""
 
-        def _train(self, state, members):  # the emulator's per-client hook: (shared, local) after local training
+        def _train(self, state, members, on_step=None):  # the per-client hook: (shared, local) trained
             noise = np.random.default_rng([state.seed, state.round])
             trainable = [n for n in self.shared_names if self.manifest.spec(n).trainable]
             base = {n: v.cpu().numpy() for n, v in state.shared.items()}  # the round's model, as devices hold it
             exact, coded = WeightedMean(), {c: WeightedMean() for c in {codec, *paired}}
-            for j, (shared, local) in zip(members, super()._train(state, members), strict=True):
+            for j, (shared, local) in zip(members, super()._train(state, members, on_step), strict=True):
                 tensors = {n: v.cpu().numpy() for n, v in shared.items()}
                 exact.add({n: tensors[n] for n in trainable}, self.data.n_train[j])
                 for c, mean in coded.items():
