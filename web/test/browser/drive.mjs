@@ -59,7 +59,7 @@ try {
   result.lacksOnLoopback = await page.$eval('#lacks', (e) => !e.hidden);
   await page.click('#join');
   let sampling = true;
-  const sampler = (async () => { // the page's answer time while a round trains
+  const sample = async () => { // the page's answer time while a round trains
     let training = false;
     while (sampling) {
       const sent = performance.now();
@@ -71,7 +71,8 @@ try {
       training = Boolean(seen);
       await sleep(50);
     }
-  })();
+  };
+  let sampler = sample();
   await until('a round', () => window.fedper.trainer.progress !== null);
   await shot('mid-round');
   if (Number(reloadAfter) > 0) {
@@ -80,8 +81,12 @@ try {
       return sent >= k && sent;
     }, Number(reloadAfter));
     result.logBeforeReload = await page.evaluate(() => window.fedper.lines);
+    sampling = false; // no script call in flight while the page navigates: WebKit's WebDriver may never answer it
+    await sampler;
     await page.reload();
     await until('the page to rejoin', () => window.fedper?.running());
+    sampling = true;
+    sampler = sample();
   }
   result.final = (await until('the run to finish', () => window.fedper.agent()?.finalAccuracy != null && { accuracy: window.fedper.agent().finalAccuracy })).accuracy;
   sampling = false;
