@@ -12,6 +12,7 @@ import { chanceWords } from './chance.js';
 import { localData } from './dataset.js';
 import { memoryLine } from './device_check.js';
 import { resizeBilinear } from './images.js';
+import { photoInput, topClasses } from './predict.js';
 import { WorkerTrainer } from './remote.js';
 import { IndexedDBStore } from './store.js';
 import { runAgent } from './transport.js';
@@ -102,6 +103,12 @@ async function identity(chosen) {
 
 /** A picked image file as RGB bytes at the model's input size (decoded by the browser, resized as Pillow does). */
 async function decode(file, width, height) {
+  const { rgb, size } = await readRGB(file);
+  return resizeBilinear(rgb, ...size, width, height);
+}
+
+/** A picked image file decoded by the browser: {rgb (height x width x 3 bytes), size: [width, height]}. */
+async function readRGB(file) {
   const bitmap = await createImageBitmap(file, { colorSpaceConversion: 'none', premultiplyAlpha: 'none' });
   const canvas = new OffscreenCanvas(bitmap.width, bitmap.height);
   const context = canvas.getContext('2d');
@@ -111,7 +118,7 @@ async function decode(file, width, height) {
   for (let p = 0; p < bitmap.width * bitmap.height; p++) rgb.set(rgba.subarray(4 * p, 4 * p + 3), 3 * p);
   const size = [bitmap.width, bitmap.height];
   bitmap.close();
-  return resizeBilinear(rgb, ...size, width, height);
+  return { rgb, size };
 }
 
 async function main() {
@@ -172,6 +179,7 @@ async function main() {
       run = null;
       showCounts();
       status(describe());
+      offerPanel();
     });
   };
   const restart = async () => {
@@ -195,6 +203,37 @@ async function main() {
     showCounts();
     await restart();
   };
+  // "what is this?": the final served model (base + this device's head, kept in the store by Agent.finish) answers
+  // for one photo; everything it needs is in this tab, so it answers with the broker gone too
+  let final = null;
+  const offerPanel = async () => {
+    final = await store.get('final');
+    for (const id of ['ask-photo', 'ask-camera']) $(id).disabled = !final;
+    $('ask-model').textContent = final
+      ? `Your personalized model after round ${final.rounds} answers, here in this browser.`
+      : 'Once the fleet has finished, your personalized model answers here.';
+  };
+  const ask = async (file) => {
+    if (!file || !final) return;
+    try {
+      const { rgb, size } = await readRGB(file);
+      const logits = await trainer.logits(photoInput(rgb, ...size, manifest.model), final.served);
+      const top = topClasses(logits, manifest.classes, 3);
+      if ($('ask-image').src) URL.revokeObjectURL($('ask-image').src);
+      $('ask-image').src = URL.createObjectURL(file);
+      $('ask-image').hidden = false;
+      $('answer').replaceChildren(...top.map(({ name, probability }) => {
+        const item = document.createElement('li');
+        item.textContent = `${name}: ${(100 * probability).toFixed(1)} %`;
+        return item;
+      }));
+      window.fedper.answer = { file: file.name, logits: Array.from(logits), top };
+    } catch (e) {
+      log(`cannot answer for ${file.name}: ${e.message}`);
+    }
+  };
+  $('ask-photo').addEventListener('change', (e) => ask(e.target.files[0]));
+  $('ask-camera').addEventListener('change', (e) => ask(e.target.files[0]));
   $('photos').addEventListener('change', (e) => add([...e.target.files]));
   $('camera').addEventListener('change', (e) => add([...e.target.files]));
   $('join').addEventListener('click', () => start().catch((e) => log(`cannot join: ${e.message}`)));
@@ -208,6 +247,7 @@ async function main() {
   window.fedper = { manifest, trainer, store, lines, device, agent: () => agent, running: () => run !== null, status: describe };
   showCounts();
   status(describe());
+  await offerPanel();
   if (images.length >= 2 && (await store.get('joined'))) await start(); // a reload rejoins by itself
 }
 

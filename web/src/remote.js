@@ -1,4 +1,4 @@
-// The page's side of the training worker (worker.js): the Trainer's interface (load, read, train, evaluate), with
+// The page's side of the training worker (worker.js): the Trainer's interface (load, read, train, evaluate, logits), with
 // the work done in the worker and a copy of its parameter buffer kept here, so that load and read stay synchronous
 // for the agent. Requests are answered in the order sent; a load goes with the next request.
 
@@ -66,5 +66,9 @@ export class WorkerTrainer extends Parameters {
 
   evaluate(x, y) {
     return this.call('evaluate', { x, y });
+  }
+
+  logits(x, tensors) {
+    return this.call('logits', { x, tensors });
   }
 }

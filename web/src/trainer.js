@@ -151,6 +151,23 @@ export class Trainer extends Parameters {
     return { accuracy: correct / y.length, loss: lossSum / y.length };
   }
 
+  /** One batch's logits (float32, samples x classes) in inference mode under `tensors` (every manifest tensor): the
+   * page's "what is this?" with the served model. The trainer's own parameters stay as they were. */
+  async logits(x, tensors) {
+    const [c, h, w] = this.manifest.model.input_shape;
+    const n = x.length / (c * h * w);
+    const kept = this.params.slice();
+    this.load(tensors);
+    try {
+      const session = await this.use(this.current);
+      const out = await session.runEvalStep(this.batch(x, new Array(n).fill(0), [...Array(n).keys()]));
+      return Float32Array.from(out[session.evalOutputNames[1]].data);
+    } finally {
+      this.params = kept;
+      this.synced.clear();
+    }
+  }
+
   batch(x, y, indices) {
     const [c, h, w] = this.manifest.model.input_shape;
     const size = c * h * w;

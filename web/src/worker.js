@@ -29,12 +29,19 @@ const ops = {
   evaluate({ x, y }) {
     return trainer.evaluate(x, y);
   },
+  logits({ x, tensors }) {
+    return trainer.logits(x, tensors);
+  },
 };
 
-self.onmessage = async ({ data: { id, op, args } }) => {
-  try {
-    postMessage({ id, result: await ops[op](args) });
-  } catch (e) {
-    postMessage({ id, error: e instanceof Error ? e.message : `onnxruntime-web failed (${e})` });
-  }
+// one request at a time: the panel's logits may be asked while a round trains, and both use the same sessions
+let queue = Promise.resolve();
+self.onmessage = ({ data: { id, op, args } }) => {
+  queue = queue.then(async () => {
+    try {
+      postMessage({ id, result: await ops[op](args) });
+    } catch (e) {
+      postMessage({ id, error: e instanceof Error ? e.message : `onnxruntime-web failed (${e})` });
+    }
+  });
 };
