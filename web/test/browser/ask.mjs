@@ -10,7 +10,7 @@
 import { readdirSync } from 'node:fs';
 import { join } from 'node:path';
 import { createInterface } from 'node:readline';
-import { launch } from './engines.mjs';
+import { launch, poller } from './engines.mjs';
 
 const [url, imagesDir, photo, timeoutS] = process.argv.slice(2);
 const deadline = Date.now() + Number(timeoutS) * 1000;
@@ -23,14 +23,7 @@ try {
   page.on('pageerror', (e) => result.console.push(`pageerror: ${e.message}`));
   await page.setViewport({ width: 412, height: 915, deviceScaleFactor: 1, isMobile: true, hasTouch: true });
   const shot = (name) => (process.env.SHOTS ? page.screenshot({ path: join(process.env.SHOTS, `${name}.png`), fullPage: true }) : null);
-  const until = async (what, check, ...args) => {
-    while (Date.now() < deadline) {
-      const value = await page.evaluate(check, ...args).catch(() => null);
-      if (value) return value;
-      await new Promise((r) => setTimeout(r, 250));
-    }
-    throw new Error(`timed out waiting for ${what}; status: ${await page.$eval('#status', (e) => e.textContent).catch(() => '?')}`);
-  };
+  const until = poller(page, deadline);
   /** Pick PHOTO with one of the panel's inputs: what the page answered and what it shows. */
   const ask = async (input) => {
     await until('the panel', () => !document.querySelector('#ask-photo').disabled);

@@ -13,7 +13,7 @@
 
 import { readdirSync } from 'node:fs';
 import { join } from 'node:path';
-import { ENGINE, launch } from './engines.mjs';
+import { ENGINE, launch, poller } from './engines.mjs';
 
 const [url, imagesDir, reloadAfter, timeoutS] = process.argv.slice(2);
 const deadline = Date.now() + Number(timeoutS) * 1000;
@@ -26,14 +26,7 @@ try {
   page.on('pageerror', (e) => result.console.push(`pageerror: ${e.message}`));
   await page.setViewport({ width: 412, height: 915, deviceScaleFactor: 1, isMobile: true, hasTouch: true });
   const shot = (name, on = page) => (process.env.SHOTS ? on.screenshot({ path: join(process.env.SHOTS, `${name}.png`), fullPage: true }) : null);
-  const until = async (what, check, ...args) => {
-    while (Date.now() < deadline) {
-      const value = await page.evaluate(check, ...args).catch(() => null);
-      if (value) return value;
-      await new Promise((r) => setTimeout(r, 250));
-    }
-    throw new Error(`timed out waiting for ${what}; status: ${await page.$eval('#status', (e) => e.textContent).catch(() => '?')}`);
-  };
+  const until = poller(page, deadline);
   await page.goto(url);
   await until('the model', () => window.fedper !== undefined);
   result.isolated = await page.evaluate(() => self.crossOriginIsolated);

@@ -156,3 +156,16 @@ class WebKitPage {
     await writeFile(path, Buffer.from(await this.call('GET', '/screenshot'), 'base64'));
   }
 }
+
+/** until(what, check, ...args): `check` run in the page every 250 ms until it gives something truthy (returned), or an
+ * error naming `what` and the page's status at `deadline` (ms since the epoch). */
+export function poller(page, deadline) {
+  return async (what, check, ...args) => {
+    while (Date.now() < deadline) {
+      const value = await page.evaluate(check, ...args).catch(() => null);
+      if (value) return value;
+      await new Promise((r) => setTimeout(r, 250));
+    }
+    throw new Error(`timed out waiting for ${what}; status: ${await page.$eval('#status', (e) => e.textContent).catch(() => '?')}`);
+  };
+}
