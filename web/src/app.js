@@ -201,6 +201,7 @@ async function main() {
     }
     await store.put('images', images);
     showCounts();
+    status(describe()); // before joining the status says whether the images are enough
     await restart();
   };
   // "what is this?": the final served model (base + this device's head, kept in the store by Agent.finish) answers
