@@ -298,6 +298,8 @@ async def _devices(host: str, port: int, indices: list[int], floats: int, train_
             last_ping = time.monotonic()
             for client in clients:
                 client.ping()
+    if busy:  # an upload the coordinator already folded may still wait for its PUBACK: let it be counted
+        await asyncio.wait(busy, timeout=10)
     for client in clients:
         if not client.closed.is_set():
             await client.disconnect()
