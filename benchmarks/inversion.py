@@ -265,15 +265,15 @@ def secure_sum(manifest: Manifest, updates: Sequence[Mapping[str, np.ndarray]], 
         vectors.append(np.concatenate([clipped[n].reshape(-1) for n in names]))
     root, fleet = Ed25519PrivateKey.generate(), "attack"
     roster = [f"d{i:03d}" for i in range(len(updates))]
-    config = SecAggConfig.create(1, roster, vectors[0].size, clip_norm)
+    config = SecAggConfig.create(1, 1, roster, vectors[0].size, clip_norm)
     clients = [SecAggClient(config, u, Identity.issue(root, fleet, name)) for u, name in enumerate(roster)]
     server = SecAggServer(config, fleet, root.public_key())
-    keys = server.neighbour_keys(c.advertise() for c in clients)
-    inbox = server.relay_shares([clients[u].share_keys(m) for u, m in keys.items()])
-    requests = server.mask_requests([clients[u].receive_shares(m) for u, m in inbox.items()])
+    keys = server.neighbour_keys({c.device: c.advertise() for c in clients})
+    inbox = server.relay_shares({u: clients[u].share_keys(m) for u, m in keys.items()})
+    requests = server.mask_requests({u: clients[u].receive_shares(m) for u, m in inbox.items()})
     lists = server.survivor_lists([clients[u].masked_input(m, vectors[u]) for u, m in requests.items()])
-    unmask = server.unmask_requests([clients[u].sign_survivors(m) for u, m in lists.items()])
-    (group,) = server.aggregate([clients[u].unmask(m) for u, m in unmask.items()]).groups
+    unmask = server.unmask_requests({u: clients[u].sign_survivors(m) for u, m in lists.items()})
+    (group,) = server.aggregate({u: clients[u].unmask(m) for u, m in unmask.items()}).groups
     total, out, start = group.sum, {}, 0
     for n in names:
         size = reference[n].size

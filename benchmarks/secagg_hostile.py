@@ -136,8 +136,7 @@ class Device:
         message = decode_secagg(payload, SECAGG_DOWN)
         try:
             if self.hostile == "poisoned" and message.stage == "mask" and participant.client is not None:
-                request = participant.wire.mask_request(message, participant.client.device)
-                masked = participant.client.masked_input(request, np.full(LENGTH, CLIP))
+                masked = participant.client.masked_input(message, np.full(LENGTH, CLIP))
                 frames = chunk(masked.to_safetensors(), 63 * 1024, f"p{participant.session}",
                                participant.meta.to_dict())
                 for frame in frames:

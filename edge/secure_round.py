@@ -40,7 +40,7 @@ import numpy as np
 from fedper.checkpoint import PRIVATE, atomic_write
 from fedper.manifest import Manifest, SummedTensors
 from fedper.privacy import clip_delta
-from fedper.secagg import DeviceKeys, Identity, SecAggClient, SecAggError, SecAggWire
+from fedper.secagg import DeviceKeys, Identity, SecAggClient, SecAggConfig, SecAggError
 from fedper.wire import (
     Message,
     Outgoing,
@@ -127,10 +127,6 @@ class SecureParticipant:
     _vector: np.ndarray | None = field(default=None, repr=False)
 
     @property
-    def wire(self) -> SecAggWire:
-        return SecAggWire(self.round, self.session)
-
-    @property
     def answered(self) -> bool:
         """Whether this device revealed shares in this round (in this session or an earlier one)."""
         return answered_round(self.state_dir) == (self.round, self.model_sha256)
@@ -148,8 +144,8 @@ class SecureParticipant:
         if self._identity.name != self.device:
             raise SecAggError(f"the identity in {self.identity_dir} is {self._identity.name}'s, not {self.device}'s")
         claim_session(self.state_dir, self.round, self.session)
-        advert = self.keys.advert(self._identity, self.session)
-        return Outgoing(self.topics.secagg(self.device), self.wire.advertise(advert).encode())
+        advert = self.keys.advert(self._identity, self.round, self.session)
+        return Outgoing(self.topics.secagg(self.device), advert.encode())
 
     def handle(self, message: Message) -> list[Outgoing]:
         if (getattr(message, "round", None), getattr(message, "session", None)) != (self.round, self.session):
@@ -160,15 +156,12 @@ class SecureParticipant:
             return [self._share_keys(message)]
         if self.client is None:
             raise SecAggError("a stage message before the session's setup")
-        wire, client = self.wire, self.client
         if isinstance(message, SecAggShares):
-            report = client.receive_shares(wire.bundle(message, client.device, upward=False))
-            return [Outgoing(self.topics.secagg(self.device), wire.received(report).encode())]
+            return [Outgoing(self.topics.secagg(self.device), self.client.receive_shares(message).encode())]
         if isinstance(message, SecAggMask):
             return self._masked_input(message)
         if isinstance(message, SecAggSurvivors):
-            signature = client.sign_survivors(wire.survivor_list(message, client.device))
-            return [Outgoing(self.topics.secagg(self.device), wire.signature(signature).encode())]
+            return [Outgoing(self.topics.secagg(self.device), self.client.sign_survivors(message).encode())]
         if isinstance(message, SecAggUnmaskRequest):
             return [self._unmask(message)]
         raise SecAggError(f"{type(message).__name__} is not a message for a device")
@@ -177,33 +170,34 @@ class SecureParticipant:
         """Stage 2: check the setup, then Shamir-share the self-mask seed and the mask key to the neighbours."""
         if self.client is not None or self._identity is None:
             raise SecAggError("a setup for a session this device did not advertise in, or a second one")
-        config, neighbours, spec = self.wire.setup(message)  # ValueError if the setup is unsound
+        config = SecAggConfig.of(message)  # ValueError if the setup is unsound
         if config.threshold <= config.degree // 2:
             raise SecAggError(f"threshold {config.threshold} is not a majority of {config.degree} neighbours: a "
                               "coordinator could then gather both kinds of share of one device")
-        uniform = spec.weights == "uniform"
-        if spec.weight_scale < self.n_samples and not uniform:
-            raise SecAggError(f"weight scale {spec.weight_scale} is below this device's {self.n_samples} samples")
-        clip_norm = config.clip if spec.clip_norm is None else spec.clip_norm
-        if not (0 < clip_norm <= config.clip and spec.noise_std >= 0):
-            raise SecAggError(f"clip norm {clip_norm} must be in (0, {config.clip}], noise std {spec.noise_std} >= 0")
-        vector = clipped_delta(self.manifest, self.update, self.model, clip_norm, spec.tensors)
+        uniform = message.weights == "uniform"
+        if message.weight_scale < self.n_samples and not uniform:
+            raise SecAggError(f"weight scale {message.weight_scale} is below this device's {self.n_samples} samples")
+        clip_norm = config.clip if message.clip_norm is None else message.clip_norm
+        if not (0 < clip_norm <= config.clip and message.noise_std >= 0):
+            raise SecAggError(f"clip norm {clip_norm} must be in (0, {config.clip}], noise std {message.noise_std} "
+                              ">= 0")
+        vector = clipped_delta(self.manifest, self.update, self.model, clip_norm, message.tensors)
         if vector.size != config.length:
             raise SecAggError(f"the session sums {config.length} values, this device's shared tensors hold "
                               f"{vector.size}")
-        client = SecAggClient(config, neighbours.device, self._identity, self.keys)
+        client = SecAggClient(config, message.index, self._identity, self.keys)
         client.advertise()  # stage 1 was the advert this device sent before the setup existed
-        bundle = client.share_keys(neighbours)
-        vector = vector if uniform else vector * (self.n_samples / spec.weight_scale)
-        if spec.noise_std > 0:  # distributed DP: this device's share of the noise (fresh entropy)
-            vector = vector + np.random.default_rng().normal(0.0, spec.noise_std, vector.size)
+        shares = client.share_keys(message)
+        vector = vector if uniform else vector * (self.n_samples / message.weight_scale)
+        if message.noise_std > 0:  # distributed DP: this device's share of the noise (fresh entropy)
+            vector = vector + np.random.default_rng().normal(0.0, message.noise_std, vector.size)
         self.client, self._vector = client, vector
-        return Outgoing(self.topics.secagg(self.device), self.wire.shares(bundle, upward=True).encode())
+        return Outgoing(self.topics.secagg(self.device), shares.encode())
 
     def _masked_input(self, message: SecAggMask) -> list[Outgoing]:
         """Stage 4: the masked input as update chunks, masked with none of the excluded neighbours."""
         assert self.client is not None and self._vector is not None
-        masked = self.client.masked_input(self.wire.mask_request(message, self.client.device), self._vector)
+        masked = self.client.masked_input(message, self._vector)
         self._vector = None  # masked once: the clear vector is no longer needed
         frames = chunk(masked.to_safetensors(), self.chunk_size, f"r{self.round}-s{self.session}",
                        self.meta.to_dict())
@@ -213,8 +207,8 @@ class SecureParticipant:
         """Stage 6: the shares, given the signatures of more than half of the session on the survivors this device
         signed (UnmaskRefused otherwise). The round is written down as answered before the shares go out."""
         assert self.client is not None
-        response = self.client.unmask(self.wire.request(message, self.client.device))
+        response = self.client.unmask(message)
         atomic_write(self.state_dir / ANSWERED_FILE, json.dumps({"round": self.round,
                                                                  "model": self.model_sha256}).encode(), PRIVATE)
-        return Outgoing(self.topics.secagg(self.device), self.wire.unmask(response).encode())
+        return Outgoing(self.topics.secagg(self.device), response.encode())
 

@@ -5,9 +5,10 @@ The protocol is SecAgg+ (Bell, Bonawitz, Gascón, Lepoint, Raykova, CCS 2020, "S
 Aggregation with (Poly)Logarithmic Overhead"), the sparse-graph form of SecAgg (Bonawitz et al., CCS
 2017, "Practical Secure Aggregation for Privacy-Preserving Machine Learning"), with the latter's consistency
 check against a malicious server (its round 3, ConsistencyCheck). This module is its pure kernel: explicit
-stages, one client object per device and one server object per session, and `SecAggWire`, the one converter
-between its messages and fedper.wire's (the masked vector travels as safetensors). It does no I/O: the
-transport (MQTT, relayed by the coordinator) is fedper.coordinator.secure_round and fedper.edge.secure_round.
+stages, one client object per device and one server object per session, whose stage methods take and return
+fedper.wire's stage messages themselves (the wire's codec turns their bytes into base64; the masked vector
+travels as safetensors, `MaskedInput`). It does no I/O: the transport (MQTT, relayed by the coordinator) is
+fedper.coordinator.strategies.secure and fedper.edge.secure_round.
 Every primitive comes from `cryptography` (the `privacy` extra): X25519 key agreement, HKDF-SHA256,
 AES-256-GCM for the shares, AES-256-CTR as the mask generator, Ed25519 for identities. Shamir sharing is plain
 modular arithmetic over the Mersenne prime 2**521 - 1, large enough to share a 32-byte secret in one piece.
@@ -37,7 +38,7 @@ Stages (a device missing from a stage has dropped out; the server never waits fo
    under a key derived from their c agreement; the associated data binds the setup's digest, sender and
    receiver.
 3. Receive shares: each device decrypts the shares relayed to it and reports the senders whose share does not
-   authenticate (`ShareReport`); it needs t that do. The server excludes every reported device from the
+   authenticate (`SecAggReceived`); it needs t that do. The server excludes every reported device from the
    session (nobody masks with it) and tells each device which of its neighbours are excluded.
 4. Masked input: the device quantizes its clipped vector to integers mod 2**32 and adds PRG(b) and, for
    each neighbour v whose share it holds and that is not excluded (at least t of them), +PRG(k_uv) if u < v
@@ -86,12 +87,12 @@ import os
 import secrets
 import struct
 from bisect import bisect_right
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import accumulate
 from pathlib import Path
-from typing import Literal
+from typing import Any
 
 import numpy as np
 from cryptography.exceptions import InvalidSignature, InvalidTag
@@ -105,10 +106,12 @@ from safetensors import SafetensorError
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from fedper.manifest import SummedTensors
 from fedper.payload import safetensors_metadata
 from fedper.wire import (
+    KEY_BYTES,
     NAME_RE,
+    SHARE_BYTES,
+    SIGNATURE_BYTES,
     SecAggAdvertise,
     SecAggMask,
     SecAggNeighbours,
@@ -118,24 +121,20 @@ from fedper.wire import (
     SecAggSurvivors,
     SecAggUnmask,
     SecAggUnmaskRequest,
-    WireError,
 )
 
-PRIME = 2**521 - 1  # Shamir's field: a Mersenne prime above any 32-byte secret
-SHARE_BYTES = (PRIME.bit_length() + 7) // 8
+PRIME = 2**521 - 1  # Shamir's field: a Mersenne prime above any 32-byte secret (a share: SHARE_BYTES of it)
 MODULUS_BITS = 32  # masked vectors are uint32: arithmetic mod 2**32 is numpy's own wrap-around
 SECRET_BYTES = 32  # a self-mask seed, an X25519 private key
 PROTOCOL = b"fedper-secagg/2"
 IDENTITY_CONTEXT = b"fedper-identity/1"  # what a certificate signs: this, fleet, device, key (NUL-separated)
-# Byte sizes of what crosses the wire (fedper.wire bounds their base64; docs/protocol.md, 6.9 states them).
-KEY_BYTES = 32  # an X25519 or Ed25519 public key
-SIGNATURE_BYTES = 64  # an Ed25519 signature
-NONCE_BYTES = 12  # AES-GCM's nonce
-TAG_BYTES = 16  # AES-GCM's tag
+# A sealed share (fedper.wire's SEALED_SHARE_BYTES): nonce || AES-GCM ciphertext of the plaintext below, and tag.
+NONCE_BYTES = 12
+TAG_BYTES = 16
 SHARE_PLAINTEXT_BYTES = 8 + 2 * SHARE_BYTES  # sender and receiver (u32 each), the seed share and the key share
-SEALED_SHARE_BYTES = NONCE_BYTES + SHARE_PLAINTEXT_BYTES + TAG_BYTES  # nonce || AES-GCM ciphertext and tag
-ADVERT_BYTES = 3 * KEY_BYTES + 2 * SIGNATURE_BYTES  # c, s, identity keys; the certificate; the keys' signature
-SIGNER_BYTES = KEY_BYTES + 2 * SIGNATURE_BYTES  # identity key, its certificate, its signature of the survivors
+# The stage messages the kernel takes and returns: fedper.wire's, as they go on the wire (docs/protocol.md, 6.9).
+SecAggMessage = (SecAggAdvertise | SecAggNeighbours | SecAggShares | SecAggReceived | SecAggMask | SecAggSurvivors
+                 | SecAggSignature | SecAggUnmaskRequest | SecAggUnmask)
 # A device's identity directory (deploy/provision-identity.sh writes it).
 IDENTITY_KEY_FILE, CERTIFICATE_FILE, ROOT_FILE = "identity.pem", "identity.cert", "fleet-root.pub"
 
@@ -311,6 +310,10 @@ def _apply_pairwise(total: np.ndarray, mask: np.ndarray, me: int, other: int, si
 # ---------------------------------------------------------------- identities (Ed25519)
 
 
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
 def certificate_message(fleet: str, device: str, public: bytes) -> bytes:
     """What the fleet's root signs to certify `public` as `device`'s identity key in `fleet`."""
     return b"\0".join((IDENTITY_CONTEXT, fleet.encode(), device.encode(), public))
@@ -446,10 +449,12 @@ def survivors_message(setup: bytes, survivors: Iterable[int]) -> bytes:
 
 @dataclass(frozen=True)
 class SecAggConfig:
-    """Stage 0, sent by the server with the session: who takes part, in which groups, and how the vector is
-    encoded. `round` is the session (keys and shares are bound to it)."""
+    """Stage 0, sent by the server in each device's SecAggNeighbours: who takes part, in which groups, and how the
+    vector is encoded. Every stage message names `round` (RoundInfo's) and `session`; keys, shares and the setup's
+    digest are bound to the session."""
 
     round: int
+    session: int
     roster: tuple[str, ...]  # index -> device name
     length: int
     clip: float
@@ -460,13 +465,20 @@ class SecAggConfig:
     groups: tuple[int, ...]  # sizes of the groups summed apart, in index order
 
     @classmethod
-    def create(cls, round: int, roster: Sequence[str], length: int, clip: float, degree: int | None = None,
-               threshold: int | None = None, graph_seed: int = 0, groups: Sequence[int] = ()) -> SecAggConfig:
+    def create(cls, round: int, session: int, roster: Sequence[str], length: int, clip: float,
+               degree: int | None = None, threshold: int | None = None, graph_seed: int = 0,
+               groups: Sequence[int] = ()) -> SecAggConfig:
         roster = tuple(roster)
         devices = len(roster)
         degree = default_degree(devices) if degree is None else min(degree, devices - 1)
-        return cls(round, roster, length, clip, degree, degree // 2 + 1 if threshold is None else threshold,
+        return cls(round, session, roster, length, clip, degree, degree // 2 + 1 if threshold is None else threshold,
                    default_value_bits(devices), graph_seed, tuple(groups) or (devices,))
+
+    @classmethod
+    def of(cls, setup: SecAggNeighbours) -> SecAggConfig:
+        """The setup a device got; ValueError when it is unsound."""
+        return cls(setup.round, setup.session, tuple(setup.roster), setup.length, setup.clip, setup.degree,
+                   setup.threshold, setup.value_bits, setup.graph_seed, tuple(setup.groups))
 
     def __post_init__(self) -> None:
         if self.devices < 2 or self.length < 1 or not self.clip > 0:
@@ -527,97 +539,60 @@ class SecAggConfig:
     @cached_property
     def digest(self) -> bytes:
         """SHA-256 of everything the setup fixes: shares are bound to it, devices sign it with the survivors."""
-        head = struct.pack(">QQd5Q", self.round, self.length, self.clip, self.degree, self.threshold,
+        head = struct.pack(">QQd5Q", self.session, self.length, self.clip, self.degree, self.threshold,
                            self.value_bits, self.graph_seed, len(self.groups))
         groups = struct.pack(f">{len(self.groups)}Q", *self.groups)
         return hashlib.sha256(PROTOCOL + b" setup" + head + groups + "\0".join(self.roster).encode()).digest()
 
 
-# ---------------------------------------------------------------- messages
+# ---------------------------------------------------------------- messages: fedper.wire's stage messages
 
 
-@dataclass(frozen=True)
-class KeyAdvert:
-    """Stage 1, device -> server: the device's two public keys for this session, signed by its identity key, with
-    that key and the root's certificate of it. `device` is its index, -1 until the setup gives it one."""
-
-    round: int
-    device: int
-    c_public: bytes
-    s_public: bytes
-    identity: bytes
-    certificate: bytes
-    signature: bytes
-
-    def problem(self, name: str, fleet: str, root: Ed25519PublicKey) -> str:
-        """"" when this is `name`'s advert in `fleet`: certified by the root, the keys signed for this session."""
-        if not certified(root, fleet, name, self.identity, self.certificate):
-            return f"the identity key of {name} is not certified by fleet {fleet}'s root"
-        if not signature_valid(self.identity, self.signature,
-                               advert_message(self.round, name, self.c_public, self.s_public)):
-            return f"the keys advertised for {name} are not signed by its identity key"
-        return ""
+def _expect(config: SecAggConfig, message: SecAggMessage) -> None:
+    """A stage message of this session (its round and session), else SecAggError."""
+    if (message.round, message.session) != (config.round, config.session):
+        raise SecAggError(f"message for round {message.round} session {message.session}, this is round "
+                          f"{config.round} session {config.session}")
 
 
-@dataclass(frozen=True)
-class NeighbourKeys:
-    """Stage 1, server -> device: the adverts of the device's neighbours that advertised."""
-
-    round: int
-    device: int
-    adverts: tuple[KeyAdvert, ...]
-
-
-@dataclass(frozen=True)
-class EncryptedShare:
-    """One neighbour's pair of shares (of b and of the s key), AES-GCM encrypted from sender to receiver."""
-
-    sender: int
-    receiver: int
-    nonce: bytes
-    ciphertext: bytes
+def advert_problem(advert: SecAggAdvertise, name: str, fleet: str, root: Ed25519PublicKey) -> str:
+    """"" when `advert` is `name`'s in `fleet`: its identity certified by the root, its keys signed for its session."""
+    if not certified(root, fleet, name, advert.identity, advert.certificate):
+        return f"the identity key of {name} is not certified by fleet {fleet}'s root"
+    if not signature_valid(advert.identity, advert.signature,
+                           advert_message(advert.session, name, advert.c_public, advert.s_public)):
+        return f"the keys advertised for {name} are not signed by its identity key"
+    return ""
 
 
-@dataclass(frozen=True)
-class EncryptedShares:
-    """Stage 2: device -> server, the shares it sends (device = sender); server -> device, the shares
-    addressed to it (device = receiver)."""
-
-    round: int
-    device: int
-    shares: tuple[EncryptedShare, ...]
+def _split(raw: bytes, *sizes: int) -> list[bytes]:
+    """Consecutive fields of the given sizes."""
+    return [raw[end - size : end] for size, end in zip(sizes, accumulate(sizes), strict=True)]
 
 
-@dataclass(frozen=True)
-class ShareReport:
-    """Stage 3, device -> server: the shares are in; `skipped`, the senders whose share did not authenticate."""
-
-    round: int
-    device: int
-    skipped: tuple[int, ...]
+def _packed_advert(advert: SecAggAdvertise) -> bytes:
+    """A neighbour's advert as the setup relays it: c_public || s_public || identity || certificate || signature."""
+    return advert.c_public + advert.s_public + advert.identity + advert.certificate + advert.signature
 
 
-@dataclass(frozen=True)
-class MaskRequest:
-    """Stage 3 -> 4, server -> device: mask with none of `excluded` (the device's neighbours that were reported)."""
-
-    round: int
-    device: int
-    excluded: tuple[int, ...]
+def _unpacked_advert(config: SecAggConfig, raw: bytes) -> SecAggAdvertise:
+    return SecAggAdvertise(config.round, config.session,
+                           *_split(raw, KEY_BYTES, KEY_BYTES, KEY_BYTES, SIGNATURE_BYTES, SIGNATURE_BYTES))
 
 
 @dataclass(frozen=True)
 class MaskedInput:
-    """Stage 4, device -> server: the quantized vector plus its masks, uint32 (4 bytes a value, as fp32)."""
+    """Stage 4, device -> server: the quantized vector plus its masks, uint32 (4 bytes a value, as fp32). It travels
+    as an update blob (safetensors), not as a stage message."""
 
-    round: int
+    session: int
     device: int
     masked: np.ndarray = field(repr=False)
 
     def to_safetensors(self) -> bytes:
-        """The wire form of the vector: one U32 tensor, round and device in the metadata."""
+        """The wire form of the vector: one U32 tensor, the session (as `round`) and device in the metadata."""
         return st_save({"masked": np.ascontiguousarray(self.masked, dtype="<u4")},
-                       metadata={"round": str(self.round), "device": str(self.device)})
+                       metadata={"round": str(self.session), "device": str(self.device)})
 
     @classmethod
     def from_safetensors(cls, blob: bytes) -> MaskedInput:
@@ -630,53 +605,6 @@ class MaskedInput:
             return cls(int(metadata["round"]), int(metadata["device"]), masked)
         except (SafetensorError, KeyError, ValueError) as e:
             raise SecAggError(f"not a masked-input blob: {e}") from None
-
-
-@dataclass(frozen=True)
-class SurvivorList:
-    """Stage 5, server -> device: the devices whose masked inputs are summed (Bonawitz et al.'s U3), to sign."""
-
-    round: int
-    device: int
-    survivors: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class SurvivorSignature:
-    """Stage 5, device -> server: its identity's signature of survivors_message(setup digest, survivors)."""
-
-    round: int
-    device: int
-    signature: bytes
-
-
-@dataclass(frozen=True)
-class Signer:
-    """One survivor's signature of the survivor set, with what verifies it: its identity key and certificate."""
-
-    device: int
-    identity: bytes
-    certificate: bytes
-    signature: bytes
-
-
-@dataclass(frozen=True)
-class UnmaskRequest:
-    """Stage 6, server -> device: the signatures of more than half of the session on the survivor set."""
-
-    round: int
-    device: int
-    signers: tuple[Signer, ...]
-
-
-@dataclass(frozen=True)
-class UnmaskResponse:
-    """Stage 6, device -> server: the requested shares, keyed by the device whose secret they share."""
-
-    round: int
-    device: int
-    seed_shares: dict[int, bytes]
-    key_shares: dict[int, bytes]
 
 
 @dataclass(frozen=True)
@@ -700,153 +628,6 @@ class AggregateResult:
     groups: tuple[GroupSum, ...]
 
 
-# ---------------------------------------------------------------- the wire form (docs/protocol.md, 6.9)
-
-
-@dataclass(frozen=True)
-class VectorSpec:
-    """How a device makes the vector it masks, sent with its setup: the tensors (every shared one, or the
-    trainable ones under distributed DP), the L2 norm its delta is clipped to (None: the setup's clip), its
-    weight (n_j / weight_scale, or 1 with uniform weights) and the std of the Gaussian noise it adds."""
-
-    weight_scale: int = 1
-    clip_norm: float | None = None
-    noise_std: float = 0.0
-    weights: Literal["samples", "uniform"] = "samples"
-    tensors: SummedTensors = "shared"
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def _unb64(text: str, size: int, what: str) -> bytes:
-    """The bytes of base64 `text`, exactly `size` of them (the wire bounded only its length and alphabet)."""
-    try:
-        data = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raise WireError("bad_message", f"{what} is not base64") from None
-    if len(data) != size:
-        raise WireError("bad_message", f"{what} holds {len(data)} bytes, not {size}")
-    return data
-
-
-def _split(raw: bytes, *sizes: int) -> list[bytes]:
-    """Consecutive fields of the given sizes."""
-    return [raw[end - size : end] for size, end in zip(sizes, accumulate(sizes), strict=True)]
-
-
-@dataclass(frozen=True)
-class SecAggWire:
-    """The kernel's messages <-> fedper.wire's stage messages of one session, both ways: the one translation
-    the coordinator, the device and the tests use. The kernel's round is the session; the wire carries the
-    RoundInfo round beside it, names a message's sender by its topic and a peer by its index (a map's key).
-    Decoding checks base64 and byte sizes (WireError "bad_message"); the protocol's rules are the kernel's.
-    The masked input travels as MaskedInput.to_safetensors, in an update's chunks."""
-
-    round: int
-    session: int
-
-    def advertise(self, advert: KeyAdvert) -> SecAggAdvertise:
-        """Stage 1, up: a device's signed (c, s) public keys."""
-        return SecAggAdvertise(self.round, self.session, _b64(advert.c_public), _b64(advert.s_public),
-                               _b64(advert.identity), _b64(advert.certificate), _b64(advert.signature))
-
-    def advert(self, message: SecAggAdvertise, device: int = -1) -> KeyAdvert:
-        return KeyAdvert(self.session, device, _unb64(message.c_public, KEY_BYTES, "c_public"),
-                         _unb64(message.s_public, KEY_BYTES, "s_public"),
-                         _unb64(message.identity, KEY_BYTES, "identity"),
-                         _unb64(message.certificate, SIGNATURE_BYTES, "certificate"),
-                         _unb64(message.signature, SIGNATURE_BYTES, "signature"))
-
-    def neighbours(self, config: SecAggConfig, keys: NeighbourKeys, spec: VectorSpec) -> SecAggNeighbours:
-        """Stage 1 -> 2, down: device `keys.device`'s setup and its advertising neighbours' signed adverts."""
-        adverts = {str(a.device): _b64(a.c_public + a.s_public + a.identity + a.certificate + a.signature)
-                   for a in keys.adverts}
-        return SecAggNeighbours(
-            round=self.round, session=self.session, roster=list(config.roster), groups=list(config.groups),
-            index=keys.device, length=config.length, clip=config.clip, degree=config.degree,
-            threshold=config.threshold, value_bits=config.value_bits, graph_seed=config.graph_seed,
-            weight_scale=spec.weight_scale, adverts=adverts, clip_norm=spec.clip_norm, noise_std=spec.noise_std,
-            weights=spec.weights, tensors=spec.tensors)
-
-    def setup(self, message: SecAggNeighbours) -> tuple[SecAggConfig, NeighbourKeys, VectorSpec]:
-        """The setup a device got; ValueError when it is unsound (SecAggConfig's checks)."""
-        config = SecAggConfig(self.session, tuple(message.roster), message.length, message.clip, message.degree,
-                              message.threshold, message.value_bits, message.graph_seed, tuple(message.groups))
-        adverts = []
-        for key, text in message.adverts.items():
-            raw = _unb64(text, ADVERT_BYTES, f"neighbour {key}'s advert")
-            adverts.append(KeyAdvert(self.session, int(key), *_split(raw, KEY_BYTES, KEY_BYTES, KEY_BYTES,
-                                                                     SIGNATURE_BYTES, SIGNATURE_BYTES)))
-        spec = VectorSpec(message.weight_scale, message.clip_norm, message.noise_std, message.weights, message.tensors)
-        return config, NeighbourKeys(self.session, message.index, tuple(adverts)), spec
-
-    def shares(self, bundle: EncryptedShares, *, upward: bool) -> SecAggShares:
-        """Stage 2: up, a device's shares keyed by receiver; down, those relayed to `bundle.device`, by sender."""
-        sealed = {str(s.receiver if upward else s.sender): _b64(s.nonce + s.ciphertext) for s in bundle.shares}
-        return SecAggShares(self.round, self.session, sealed)
-
-    def bundle(self, message: SecAggShares, device: int, *, upward: bool) -> EncryptedShares:
-        """The shares `device` sent (upward) or gets, as the kernel's bundle."""
-        shares = []
-        for key, text in message.shares.items():
-            sealed = _unb64(text, SEALED_SHARE_BYTES, f"share for {key}")
-            sender, receiver = (device, int(key)) if upward else (int(key), device)
-            shares.append(EncryptedShare(sender, receiver, sealed[:NONCE_BYTES], sealed[NONCE_BYTES:]))
-        return EncryptedShares(self.session, device, tuple(shares))
-
-    def received(self, report: ShareReport) -> SecAggReceived:
-        """Stage 3, up: the senders whose share did not authenticate."""
-        return SecAggReceived(self.round, self.session, list(report.skipped))
-
-    def report(self, message: SecAggReceived, device: int) -> ShareReport:
-        return ShareReport(self.session, device, tuple(message.skipped))
-
-    def mask(self, request: MaskRequest) -> SecAggMask:
-        """Stage 3 -> 4, down: the neighbours not to mask with."""
-        return SecAggMask(self.round, self.session, list(request.excluded))
-
-    def mask_request(self, message: SecAggMask, device: int) -> MaskRequest:
-        return MaskRequest(self.session, device, tuple(message.excluded))
-
-    def survivors(self, survivors: SurvivorList) -> SecAggSurvivors:
-        """Stage 5, down: the survivor set to sign."""
-        return SecAggSurvivors(self.round, self.session, list(survivors.survivors))
-
-    def survivor_list(self, message: SecAggSurvivors, device: int) -> SurvivorList:
-        return SurvivorList(self.session, device, tuple(message.survivors))
-
-    def signature(self, signature: SurvivorSignature) -> SecAggSignature:
-        """Stage 5, up: the device's signature of the survivor set."""
-        return SecAggSignature(self.round, self.session, _b64(signature.signature))
-
-    def survivor_signature(self, message: SecAggSignature, device: int) -> SurvivorSignature:
-        return SurvivorSignature(self.session, device, _unb64(message.signature, SIGNATURE_BYTES, "signature"))
-
-    def unmask_request(self, request: UnmaskRequest) -> SecAggUnmaskRequest:
-        """Stage 6, down: the signers of the survivor set."""
-        return SecAggUnmaskRequest(self.round, self.session, {
-            str(s.device): _b64(s.identity + s.certificate + s.signature) for s in request.signers})
-
-    def request(self, message: SecAggUnmaskRequest, device: int) -> UnmaskRequest:
-        signers = []
-        for key, text in message.signatures.items():
-            raw = _unb64(text, SIGNER_BYTES, f"signature of {key}")
-            signers.append(Signer(int(key), *_split(raw, KEY_BYTES, SIGNATURE_BYTES, SIGNATURE_BYTES)))
-        return UnmaskRequest(self.session, device, tuple(signers))
-
-    def unmask(self, response: UnmaskResponse) -> SecAggUnmask:
-        """Stage 6, up: the requested shares."""
-        return SecAggUnmask(self.round, self.session, {str(v): _b64(s) for v, s in response.seed_shares.items()},
-                            {str(v): _b64(s) for v, s in response.key_shares.items()})
-
-    def response(self, message: SecAggUnmask, device: int) -> UnmaskResponse:
-        seeds = {int(v): _unb64(s, SHARE_BYTES, f"seed share of {v}") for v, s in message.seed_shares.items()}
-        keys = {int(v): _unb64(s, SHARE_BYTES, f"key share of {v}") for v, s in message.key_shares.items()}
-        return UnmaskResponse(self.session, device, seeds, keys)
-
-
 # ---------------------------------------------------------------- the device
 
 
@@ -866,12 +647,12 @@ class DeviceKeys:
     def public(self) -> tuple[bytes, bytes]:
         return (self.c_key.public_key().public_bytes_raw(), self.s_key.public_key().public_bytes_raw())
 
-    def advert(self, identity: Identity, session: int, device: int = -1) -> KeyAdvert:
+    def advert(self, identity: Identity, round: int, session: int) -> SecAggAdvertise:
         """The public keys, signed for `session` by `identity` (Ed25519 signatures are deterministic)."""
         c_public, s_public = self.public()
         signature = identity.sign(advert_message(session, identity.name, c_public, s_public))
-        return KeyAdvert(session, device, c_public, s_public, identity.certificate.public,
-                         identity.certificate.signature, signature)
+        return SecAggAdvertise(round, session, c_public, s_public, identity.certificate.public,
+                               identity.certificate.signature, signature)
 
 
 class SecAggClient:
@@ -889,37 +670,38 @@ class SecAggClient:
         self._threshold = config.threshold_of(device)
         self._keys = keys or DeviceKeys.generate()
         self._seed = os.urandom(SECRET_BYTES)
-        self._peers: dict[int, KeyAdvert] = {}
+        self._peers: dict[int, SecAggAdvertise] = {}
         self._held: dict[int, tuple[bytes, bytes]] = {}  # neighbour -> (its seed share, its key share)
         self._masked_with: tuple[int, ...] = ()
         self._survivors: frozenset[int] = frozenset()
         self._stage = 1
 
-    def _enter(self, stage: int, round_id: int, device: int) -> None:
-        if round_id != self.config.round or device != self.device:
-            raise SecAggError(f"message for round {round_id} device {device}, not {self.config.round}/{self.device}")
+    def _enter(self, stage: int, message: SecAggMessage | None = None) -> None:
+        if message is not None:
+            _expect(self.config, message)
         if self._stage != stage:
             raise SecAggError(f"stage {stage} requested, the device is at stage {self._stage}")
         self._stage = stage + 1
 
-    def advertise(self) -> KeyAdvert:
+    def advertise(self) -> SecAggAdvertise:
         """Stage 1: the two public keys, signed."""
-        self._enter(1, self.config.round, self.device)
-        return self._keys.advert(self.identity, self.config.round, self.device)
+        self._enter(1)
+        return self._keys.advert(self.identity, self.config.round, self.config.session)
 
-    def share_keys(self, message: NeighbourKeys) -> EncryptedShares:
-        """Stage 2: every neighbour's advert verified; b and the s private key shared among them, encrypted to each."""
-        self._enter(2, message.round, message.device)
-        peers = {a.device: a for a in message.adverts}
-        if len(peers) != len(message.adverts) or not set(peers) <= self._neighbours:
-            raise SecAggError("neighbour keys from devices that are not distinct neighbours")
-        for advert in message.adverts:
-            if advert.round != self.config.round:
-                raise SecAggError("neighbour keys from another round")
-            problem = advert.problem(self.config.roster[advert.device], self.identity.fleet, self.identity.root)
+    def share_keys(self, setup: SecAggNeighbours) -> SecAggShares:
+        """Stage 2: the setup checked to be the one this client runs, every neighbour's advert verified; b and the
+        s private key shared among them, encrypted to each (keyed by receiver)."""
+        self._enter(2, setup)
+        if setup.index != self.device or SecAggConfig.of(setup) != self.config:
+            raise SecAggError("a setup unlike the one this device runs")
+        peers = {v: _unpacked_advert(self.config, raw) for v, raw in setup.adverts.items()}
+        if not set(peers) <= self._neighbours:
+            raise SecAggError("neighbour keys from devices that are not neighbours")
+        for v, advert in peers.items():
+            problem = advert_problem(advert, self.config.roster[v], self.identity.fleet, self.identity.root)
             if problem:
                 raise IdentityError(problem)
-        keys = [k for a in message.adverts for k in (a.c_public, a.s_public)]
+        keys = [k for a in peers.values() for k in (a.c_public, a.s_public)]
         own = self._keys.public()
         if len(set(keys) | set(own)) != len(keys) + len(own):
             raise SecAggError("public keys are not all distinct")
@@ -929,48 +711,47 @@ class SecAggClient:
         xs = [v + 1 for v in sorted(peers)]
         seed_shares = shamir_split(int.from_bytes(self._seed, "big"), self._threshold, xs)
         key_shares = shamir_split(int.from_bytes(self._keys.s_key.private_bytes_raw(), "big"), self._threshold, xs)
-        out = []
+        sealed = {}
         for v in sorted(peers):
             plaintext = (struct.pack(">II", self.device, v) + seed_shares[v + 1].to_bytes(SHARE_BYTES, "big")
                          + key_shares[v + 1].to_bytes(SHARE_BYTES, "big"))
             nonce = os.urandom(NONCE_BYTES)
             aad = _share_aad(self.config.digest, self.device, v)
-            out.append(EncryptedShare(self.device, v, nonce, AESGCM(self._share_key(v)).encrypt(nonce, plaintext, aad)))
-        return EncryptedShares(self.config.round, self.device, tuple(out))
+            sealed[v] = nonce + AESGCM(self._share_key(v)).encrypt(nonce, plaintext, aad)
+        return SecAggShares(self.config.round, self.config.session, sealed)
 
     def _share_key(self, neighbour: int) -> bytes:
         return _derive(_agree(self._keys.c_key, self._peers[neighbour].c_public), b"share-encryption",
-                       self.config.round)
+                       self.config.session)
 
     def _mask_key(self, neighbour: int) -> bytes:
-        return _derive(_agree(self._keys.s_key, self._peers[neighbour].s_public), b"pairwise-mask", self.config.round)
+        return _derive(_agree(self._keys.s_key, self._peers[neighbour].s_public), b"pairwise-mask",
+                       self.config.session)
 
-    def receive_shares(self, message: EncryptedShares) -> ShareReport:
-        """Stage 3: keep the neighbours' shares that authenticate and report the senders of those that do not;
-        fewer than t that do is NotEnoughShares (the device goes no further)."""
-        self._enter(3, message.round, message.device)
+    def receive_shares(self, message: SecAggShares) -> SecAggReceived:
+        """Stage 3: keep the neighbours' shares (keyed by sender) that authenticate and report the senders of those
+        that do not; fewer than t that do is NotEnoughShares (the device goes no further)."""
+        self._enter(3, message)
         held: dict[int, tuple[bytes, bytes]] = {}
         skipped: list[int] = []
-        for share in message.shares:
-            if (share.receiver != self.device or share.sender not in self._peers or share.sender in held
-                    or share.sender in skipped):
-                raise SecAggError(f"share from {share.sender} to {share.receiver} is not for this device")
+        for sender, sealed in message.shares.items():
+            if sender not in self._peers:
+                raise SecAggError(f"a share from {sender}, which is not a neighbour that advertised")
             try:
-                plaintext = AESGCM(self._share_key(share.sender)).decrypt(
-                    share.nonce, share.ciphertext, _share_aad(self.config.digest, share.sender, self.device))
+                plaintext = AESGCM(self._share_key(sender)).decrypt(
+                    sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], _share_aad(self.config.digest, sender, self.device))
             except InvalidTag:
                 plaintext = b""
-            if len(plaintext) != SHARE_PLAINTEXT_BYTES or struct.unpack(">II", plaintext[:8]) != (share.sender,
-                                                                                                   self.device):
-                skipped.append(share.sender)
+            if len(plaintext) != SHARE_PLAINTEXT_BYTES or struct.unpack(">II", plaintext[:8]) != (sender, self.device):
+                skipped.append(sender)
                 continue
-            held[share.sender] = (plaintext[8 : 8 + SHARE_BYTES], plaintext[8 + SHARE_BYTES :])
+            held[sender] = (plaintext[8 : 8 + SHARE_BYTES], plaintext[8 + SHARE_BYTES :])
         if len(held) < self._threshold:
             raise NotEnoughShares(self.device, "neighbour", len(held), self._threshold)
         self._held = held
-        return ShareReport(self.config.round, self.device, tuple(sorted(skipped)))
+        return SecAggReceived(self.config.round, self.config.session, sorted(skipped))
 
-    def masked_input(self, request: MaskRequest, vector: np.ndarray,
+    def masked_input(self, request: SecAggMask, vector: np.ndarray,
                      rng: np.random.Generator | None = None) -> MaskedInput:
         """Stage 4: the quantized vector plus the self mask and the pairwise masks with the neighbours whose shares
         it holds, less the excluded ones; at least t of them (else a coordinator that excluded the others could
@@ -979,7 +760,7 @@ class SecAggClient:
         if vector.size != self.config.length:
             raise ValueError(f"vector of {vector.size} values, the round expects {self.config.length}")
         quantized = quantize(vector, self.config.clip, self.config.value_bits, rng)  # refuses NaN before any state
-        self._enter(4, request.round, request.device)
+        self._enter(4, request)
         if not set(request.excluded) <= self._neighbours:
             raise SecAggError("excluded devices that are not this device's neighbours")
         masked_with = tuple(sorted(set(self._held) - set(request.excluded)))
@@ -989,12 +770,12 @@ class SecAggClient:
         masked = quantized + prg(self._seed, self.config.length)
         for v in masked_with:
             _apply_pairwise(masked, prg(self._mask_key(v), self.config.length), self.device, v)
-        return MaskedInput(self.config.round, self.device, masked)
+        return MaskedInput(self.config.session, self.device, masked)
 
-    def sign_survivors(self, message: SurvivorList) -> SurvivorSignature:
+    def sign_survivors(self, message: SecAggSurvivors) -> SecAggSignature:
         """Stage 5: sign the survivor set, one per session, if it holds this device and could gather enough
         signatures to be acted on."""
-        self._enter(5, message.round, message.device)
+        self._enter(5, message)
         survivors = frozenset(message.survivors)
         if len(survivors) != len(message.survivors) or not survivors <= set(range(self.config.devices)):
             raise SecAggError("the survivors are not distinct devices of the session")
@@ -1004,31 +785,33 @@ class SecAggClient:
             raise SecAggError(f"{len(survivors)} survivors: the check needs {self.config.signatures_needed} to sign")
         self._survivors = survivors
         signature = self.identity.sign(survivors_message(self.config.digest, survivors))
-        return SurvivorSignature(self.config.round, self.device, signature)
+        return SecAggSignature(self.config.round, self.config.session, signature)
 
-    def unmask(self, request: UnmaskRequest) -> UnmaskResponse:
-        """Stage 6: given valid signatures of more than half of the session on the survivor set this device signed,
-        for each neighbour it masked with, the self-mask share of a survivor or the key share of one that is not.
-        Answered once (UnmaskRefused otherwise)."""
-        if request.round != self.config.round or request.device != self.device:
-            raise SecAggError("unmask request not for this device's session")
+    def unmask(self, request: SecAggUnmaskRequest) -> SecAggUnmask:
+        """Stage 6: given valid signatures of more than half of the session on the survivor set this device signed
+        (index -> identity || certificate || signature), for each neighbour it masked with, the self-mask share of a
+        survivor or the key share of one that is not. Answered once (UnmaskRefused otherwise)."""
+        _expect(self.config, request)
         if self._stage == 7:
             raise UnmaskRefused("this device answered an unmask request of this session already")
         if self._stage != 6:
             raise SecAggError(f"unmask request out of order: the device is at stage {self._stage}")
         statement = survivors_message(self.config.digest, self._survivors)
-        valid = {s.device for s in request.signers
-                 if s.device in self._survivors
-                 and certified(self.identity.root, self.identity.fleet, self.config.roster[s.device], s.identity,
-                               s.certificate)
-                 and signature_valid(s.identity, s.signature, statement)}
+        valid = set()
+        for signer, raw in request.signatures.items():
+            identity, certificate, signature = _split(raw, KEY_BYTES, SIGNATURE_BYTES, SIGNATURE_BYTES)
+            if (signer in self._survivors
+                    and certified(self.identity.root, self.identity.fleet, self.config.roster[signer], identity,
+                                  certificate)
+                    and signature_valid(identity, signature, statement)):
+                valid.add(signer)
         if len(valid) < self.config.signatures_needed:
             raise UnmaskRefused(f"{len(valid)} valid signatures of the survivor set this device signed, "
                                 f"{self.config.signatures_needed} needed (more than half of {self.config.devices})")
         self._stage = 7
-        return UnmaskResponse(self.config.round, self.device,
-                              {v: self._held[v][0] for v in self._masked_with if v in self._survivors},
-                              {v: self._held[v][1] for v in self._masked_with if v not in self._survivors})
+        return SecAggUnmask(self.config.round, self.config.session,
+                            {v: self._held[v][0] for v in self._masked_with if v in self._survivors},
+                            {v: self._held[v][1] for v in self._masked_with if v not in self._survivors})
 
 
 # ---------------------------------------------------------------- the server
@@ -1036,13 +819,12 @@ class SecAggClient:
 
 class SecAggServer:
     """The server's side of one session. Each stage method takes the messages that arrived before the stage
-    closed (absent devices have dropped) and returns the messages to send, keyed by device; `check_*` checks one
-    message on its own (a transport checks each as it arrives)."""
+    closed, keyed by their senders' indices (absent devices have dropped), and returns the messages to send,
+    keyed the same way; `check_*` checks one message on its own (a transport checks each as it arrives)."""
 
     def __init__(self, config: SecAggConfig, fleet: str, root: Ed25519PublicKey) -> None:
         self.config, self.fleet, self.root = config, fleet, root
-        self._adverts: dict[int, KeyAdvert] = {}
-        self._sharers: set[int] = set()  # U2: the devices whose shares were relayed
+        self._adverts: dict[int, SecAggAdvertise] = {}
         self._relayed: dict[int, set[int]] = {}  # receiver -> the senders whose shares it was sent
         self._excluded: set[int] = set()  # reported by a neighbour: nobody masks with them
         self._masked_with: dict[int, set[int]] = {}  # a device asked for its input -> the neighbours it masks with
@@ -1056,80 +838,73 @@ class SecAggServer:
             raise SecAggError(f"stage {stage} requested, the server is at stage {self._stage}")
         self._stage += 1
 
-    def _check(self, round_id: int, device: int, allowed: Iterable[int], seen: set[int]) -> None:
-        if round_id != self.config.round:
-            raise SecAggError(f"message for round {round_id}, this is round {self.config.round}")
-        if device not in allowed or device in seen:
-            raise SecAggError(f"device {device} is not expected at this stage, or sent twice")
-        seen.add(device)
+    def _expected(self, what: str, device: int, allowed: Container[int], message: SecAggMessage) -> None:
+        if device not in allowed:
+            raise SecAggError(f"{what} from device {device}: not expected at this stage")
+        _expect(self.config, message)
 
-    def neighbour_keys(self, adverts: Iterable[KeyAdvert]) -> dict[int, NeighbourKeys]:
-        """Stage 1: each advertising device gets its advertising neighbours' adverts (each one verified)."""
+    def neighbour_keys(self, adverts: Mapping[int, SecAggAdvertise], weight_scale: int = 1,
+                       **vector: Any) -> dict[int, SecAggNeighbours]:
+        """Stage 1: each advertising device (each advert verified) gets the setup and its advertising neighbours'
+        adverts. How a device makes its vector (`weight_scale` and SecAggNeighbours' other options) is the
+        caller's: it rides along in the setup."""
         self._enter(1)
-        seen: set[int] = set()
-        for advert in adverts:
-            self._check(advert.round, advert.device, range(self.config.devices), seen)
-            problem = advert.problem(self.config.roster[advert.device], self.fleet, self.root)
+        for device, advert in adverts.items():
+            self._expected("an advert", device, range(self.config.devices), advert)
+            problem = advert_problem(advert, self.config.roster[device], self.fleet, self.root)
             if problem:
                 raise IdentityError(problem)
-            self._adverts[advert.device] = advert
-        return {u: NeighbourKeys(self.config.round, u, tuple(self._adverts[v] for v in self.config.neighbours(u)
-                                                             if v in self._adverts))
-                for u in sorted(self._adverts)}
+        self._adverts = dict(adverts)
+        c = self.config
+        return {u: SecAggNeighbours(
+            round=c.round, session=c.session, roster=list(c.roster), groups=list(c.groups), index=u, length=c.length,
+            clip=c.clip, degree=c.degree, threshold=c.threshold, value_bits=c.value_bits, graph_seed=c.graph_seed,
+            weight_scale=weight_scale, adverts={v: _packed_advert(self._adverts[v]) for v in c.neighbours(u)
+                                                if v in self._adverts}, **vector)
+            for u in sorted(self._adverts)}
 
-    def check_shares(self, bundle: EncryptedShares) -> None:
+    def check_shares(self, device: int, bundle: SecAggShares) -> None:
         """One stage-2 bundle: exactly one share from the device to each of its advertising neighbours."""
-        if bundle.round != self.config.round or bundle.device not in self._adverts:
-            raise SecAggError(f"shares from device {bundle.device} for round {bundle.round}: not expected")
-        expected = {v for v in self.config.neighbours(bundle.device) if v in self._adverts}
-        if ({s.receiver for s in bundle.shares} != expected or len(bundle.shares) != len(expected)
-                or any(s.sender != bundle.device for s in bundle.shares)):
-            raise SecAggError(f"device {bundle.device} did not send one share to each advertising neighbour")
+        self._expected("shares", device, self._adverts, bundle)
+        if set(bundle.shares) != {v for v in self.config.neighbours(device) if v in self._adverts}:
+            raise SecAggError(f"device {device} did not send one share to each advertising neighbour")
 
-    def relay_shares(self, bundles: Iterable[EncryptedShares]) -> dict[int, EncryptedShares]:
-        """Stage 2: every sharing device gets the shares addressed to it."""
+    def relay_shares(self, bundles: Mapping[int, SecAggShares]) -> dict[int, SecAggShares]:
+        """Stage 2: every sharing device gets the shares addressed to it, keyed by sender."""
         self._enter(2)
-        inbox: dict[int, list[EncryptedShare]] = {}
-        for bundle in bundles:
-            self._check(bundle.round, bundle.device, self._adverts, self._sharers)
-            self.check_shares(bundle)
-            for share in bundle.shares:
-                inbox.setdefault(share.receiver, []).append(share)
-        self._relayed = {u: {s.sender for s in inbox.get(u, ()) if s.sender in self._sharers} for u in self._sharers}
-        return {u: EncryptedShares(self.config.round, u, tuple(s for s in inbox.get(u, ())
-                                                               if s.sender in self._sharers))
-                for u in sorted(self._sharers)}
+        inbox: dict[int, dict[int, bytes]] = {}
+        for device, bundle in sorted(bundles.items()):
+            self.check_shares(device, bundle)
+            for receiver, sealed in bundle.shares.items():
+                inbox.setdefault(receiver, {})[device] = sealed
+        self._relayed = {u: set(inbox.get(u, {})) for u in bundles}  # U2: the devices whose shares were relayed
+        return {u: SecAggShares(self.config.round, self.config.session, inbox.get(u, {})) for u in sorted(bundles)}
 
-    def check_report(self, report: ShareReport) -> None:
+    def check_report(self, device: int, report: SecAggReceived) -> None:
         """One stage-3 report: senders whose shares the device was sent, few enough to leave it t shares."""
-        relayed = self._relayed.get(report.device)
-        if report.round != self.config.round or relayed is None:
-            raise SecAggError(f"share report from device {report.device} for round {report.round}: not expected")
-        skipped = set(report.skipped)
+        self._expected("a share report", device, self._relayed, report)
+        relayed, skipped = self._relayed[device], set(report.skipped)
         if len(skipped) != len(report.skipped) or not skipped <= relayed:
-            raise SecAggError(f"device {report.device} reports devices whose shares it was not sent")
-        if len(relayed) - len(skipped) < self.config.threshold_of(report.device):
-            raise SecAggError(f"device {report.device} reports {len(skipped)} of {len(relayed)} shares: it would "
-                              f"keep fewer than t = {self.config.threshold_of(report.device)}")
+            raise SecAggError(f"device {device} reports devices whose shares it was not sent")
+        if len(relayed) - len(skipped) < self.config.threshold_of(device):
+            raise SecAggError(f"device {device} reports {len(skipped)} of {len(relayed)} shares: it would "
+                              f"keep fewer than t = {self.config.threshold_of(device)}")
 
-    def mask_requests(self, reports: Iterable[ShareReport]) -> dict[int, MaskRequest]:
+    def mask_requests(self, reports: Mapping[int, SecAggReceived]) -> dict[int, SecAggMask]:
         """Stage 3: every reported device leaves the session (nobody masks with it); each reporter not reported
         that keeps t neighbours to mask with is asked for its masked input."""
         self._enter(3)
-        seen: set[int] = set()
-        skipped: dict[int, set[int]] = {}
-        for report in reports:
-            self._check(report.round, report.device, self._relayed, seen)
-            self.check_report(report)
-            skipped[report.device] = set(report.skipped)
+        for device, report in reports.items():
+            self.check_report(device, report)
+        skipped = {device: set(report.skipped) for device, report in reports.items()}
         self._excluded = set().union(*skipped.values())
         requests = {}
         for u in sorted(set(skipped) - self._excluded):
             masked_with = self._relayed[u] - skipped[u] - self._excluded
             if len(masked_with) >= self.config.threshold_of(u):
                 self._masked_with[u] = masked_with
-                excluded = tuple(sorted(self._excluded & set(self.config.neighbours(u))))
-                requests[u] = MaskRequest(self.config.round, u, excluded)
+                excluded = sorted(self._excluded & set(self.config.neighbours(u)))
+                requests[u] = SecAggMask(self.config.round, self.config.session, excluded)
         return requests
 
     @property
@@ -1139,82 +914,74 @@ class SecAggServer:
 
     def check_masked(self, masked: MaskedInput) -> None:
         """One stage-4 input: from a device asked for it, `length` uint32 values."""
-        if masked.round != self.config.round or masked.device not in self._masked_with:
-            raise SecAggError(f"masked input from device {masked.device} for round {masked.round}: not expected")
+        if masked.session != self.config.session or masked.device not in self._masked_with:
+            raise SecAggError(f"masked input from device {masked.device} for session {masked.session}: not expected")
         if masked.masked.dtype != np.uint32 or masked.masked.shape != (self.config.length,):
             raise SecAggError(f"device {masked.device}: masked vector is not {self.config.length} uint32 values")
 
-    def survivor_lists(self, inputs: Iterable[MaskedInput]) -> dict[int, SurvivorList]:
+    def survivor_lists(self, inputs: Iterable[MaskedInput]) -> dict[int, SecAggSurvivors]:
         """Stage 4: sum the masked inputs per group (mod 2**32); send the survivor set to each survivor to sign.
         SecAggError when fewer than the signatures the check needs arrived (the session cannot finish)."""
         self._enter(4)
         seen: set[int] = set()
         for masked in inputs:
-            self._check(masked.round, masked.device, self._masked_with, seen)
             self.check_masked(masked)
+            if masked.device in seen:
+                raise SecAggError(f"device {masked.device} sent two masked inputs")
+            seen.add(masked.device)
             total = self._totals[self.config.group(masked.device)]
             np.add(total, masked.masked, out=total)
         self._survivors = tuple(sorted(seen))
         if len(seen) < self.config.signatures_needed:
             raise SecAggError(f"{len(seen)} masked inputs: the consistency check needs {self.config.signatures_needed}"
                               f" (more than half of the session's {self.config.devices})")
-        return {u: SurvivorList(self.config.round, u, self._survivors) for u in self._survivors}
+        return {u: SecAggSurvivors(self.config.round, self.config.session, list(self._survivors))
+                for u in self._survivors}
 
-    def check_signature(self, signature: SurvivorSignature) -> None:
+    def check_signature(self, device: int, signature: SecAggSignature) -> None:
         """One stage-5 signature: a survivor's identity key signed the setup and the survivors."""
-        if signature.round != self.config.round or signature.device not in self._survivors:
-            raise SecAggError(f"signature from device {signature.device} for round {signature.round}: not expected")
+        self._expected("a signature", device, self._survivors, signature)
         statement = survivors_message(self.config.digest, self._survivors)
-        if not signature_valid(self._adverts[signature.device].identity, signature.signature, statement):
-            raise IdentityError(f"device {signature.device}'s signature of the survivors does not verify")
+        if not signature_valid(self._adverts[device].identity, signature.signature, statement):
+            raise IdentityError(f"device {device}'s signature of the survivors does not verify")
 
-    def unmask_requests(self, signatures: Iterable[SurvivorSignature]) -> dict[int, UnmaskRequest]:
+    def unmask_requests(self, signatures: Mapping[int, SecAggSignature]) -> dict[int, SecAggUnmaskRequest]:
         """Stage 5: each signer gets the signatures of more than half of the session (the first by index), and is
         asked, for each neighbour it masked with, the seed share of a survivor or the key share of one that is not.
         SecAggError when fewer signed."""
         self._enter(5)
-        seen: set[int] = set()
-        signers: dict[int, Signer] = {}
-        for signature in signatures:
-            self._check(signature.round, signature.device, self._survivors, seen)
-            self.check_signature(signature)
-            advert = self._adverts[signature.device]
-            signers[signature.device] = Signer(signature.device, advert.identity, advert.certificate,
-                                               signature.signature)
-        if len(signers) < self.config.signatures_needed:
-            raise SecAggError(f"{len(signers)} devices signed the survivors, the check needs "
+        for device, signature in signatures.items():
+            self.check_signature(device, signature)
+        if len(signatures) < self.config.signatures_needed:
+            raise SecAggError(f"{len(signatures)} devices signed the survivors, the check needs "
                               f"{self.config.signatures_needed}")
         survivors = set(self._survivors)
-        for u in signers:
+        for u in signatures:
             masked_with = sorted(self._masked_with[u])
             self._requests[u] = (tuple(v for v in masked_with if v in survivors),
                                  tuple(v for v in masked_with if v not in survivors))
-        chosen = tuple(signers[u] for u in sorted(signers)[: self.config.signatures_needed])
-        return {u: UnmaskRequest(self.config.round, u, chosen) for u in sorted(signers)}
+        chosen = {u: self._adverts[u].identity + self._adverts[u].certificate + signatures[u].signature
+                  for u in sorted(signatures)[: self.config.signatures_needed]}
+        return {u: SecAggUnmaskRequest(self.config.round, self.config.session, chosen) for u in sorted(signatures)}
 
-    def check_response(self, response: UnmaskResponse) -> None:
+    def check_response(self, device: int, response: SecAggUnmask) -> None:
         """One stage-6 answer: exactly the shares its device was asked for, each of the right size."""
-        request = self._requests.get(response.device)
-        if response.round != self.config.round or request is None:
-            raise SecAggError(f"unmask response from device {response.device} for round {response.round}: "
-                              "not expected")
-        for wanted, given in zip(request, (response.seed_shares, response.key_shares), strict=True):
+        self._expected("an unmask response", device, self._requests, response)
+        for wanted, given in zip(self._requests[device], (response.seed_shares, response.key_shares), strict=True):
             if set(given) != set(wanted) or any(len(s) != SHARE_BYTES for s in given.values()):
-                raise SecAggError(f"device {response.device} did not answer its unmask request")
+                raise SecAggError(f"device {device} did not answer its unmask request")
 
-    def aggregate(self, responses: Iterable[UnmaskResponse]) -> AggregateResult:
+    def aggregate(self, responses: Mapping[int, SecAggUnmask]) -> AggregateResult:
         """Stage 6: group by group, reconstruct each survivor's b and each dropped device's s key, remove their
         masks, dequantize the sum. A group whose secrets cannot be rebuilt, or do not check out, has no sum."""
         self._enter(6)
         seed_shares: dict[int, dict[int, int]] = {}
         key_shares: dict[int, dict[int, int]] = {}
-        seen: set[int] = set()
-        for response in responses:
-            self._check(response.round, response.device, self._requests, seen)
-            self.check_response(response)
+        for device, response in responses.items():
+            self.check_response(device, response)
             for given, into in ((response.seed_shares, seed_shares), (response.key_shares, key_shares)):
                 for v, share in given.items():
-                    into.setdefault(v, {})[response.device + 1] = int.from_bytes(share, "big")
+                    into.setdefault(v, {})[device + 1] = int.from_bytes(share, "big")
         groups = []
         for group in range(len(self.config.groups)):
             survivors = tuple(u for u in self._survivors if self.config.group(u) == group)
@@ -1250,6 +1017,6 @@ class SecAggServer:
             if s_key.public_key().public_bytes_raw() != self._adverts[v].s_public:
                 raise ReconstructionError(f"device {v}: the reconstructed key does not match its advertised key")
             for w in maskers:  # w masked with v; undo w's side of the pair
-                key = _derive(_agree(s_key, self._adverts[w].s_public), b"pairwise-mask", self.config.round)
+                key = _derive(_agree(s_key, self._adverts[w].s_public), b"pairwise-mask", self.config.session)
                 _apply_pairwise(total, prg(key, length), w, v, sign=-1)
         return total

@@ -4,12 +4,13 @@ survivors cannot unmask a device (the consistency check), a device whose shares 
 excluded without costing the session, groups are summed apart, fewer than t Shamir shares give nothing,
 and a device's traffic grows with k in the sharing stages and with n in the consistency check only.
 
-Every message crosses a serialization boundary (the wire's JSON stage messages through SecAggWire,
-safetensors for the masked vector), as it would through the coordinator."""
+The kernel speaks fedper.wire's stage messages; in a full session every message crosses the serialization boundary
+(its JSON, safetensors for the masked vector), as it would through the coordinator."""
 
 from __future__ import annotations
 
 import base64
+import json
 import math
 import secrets
 from dataclasses import replace
@@ -21,35 +22,20 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fedper.manifest import Manifest, ModelInfo, TensorSpec
 from fedper.secagg import (
-    ADVERT_BYTES,
-    KEY_BYTES,
     NONCE_BYTES,
-    SEALED_SHARE_BYTES,
-    SHARE_BYTES,
-    SIGNATURE_BYTES,
-    SIGNER_BYTES,
+    PRIME,
+    SHARE_PLAINTEXT_BYTES,
+    TAG_BYTES,
     DeviceKeys,
-    EncryptedShare,
-    EncryptedShares,
     IdentityError,
-    KeyAdvert,
     MaskedInput,
-    MaskRequest,
-    NeighbourKeys,
     NotEnoughShares,
     SecAggClient,
     SecAggConfig,
     SecAggError,
     SecAggServer,
-    SecAggWire,
-    ShareReport,
-    Signer,
-    SurvivorList,
-    SurvivorSignature,
     UnmaskRefused,
-    UnmaskRequest,
-    UnmaskResponse,
-    VectorSpec,
+    advert_problem,
     degree_for,
     quantization_scale,
     quantize,
@@ -60,15 +46,13 @@ from fedper.secagg import (
 )
 from fedper.secagg import Identity as DeviceIdentity
 from fedper.wire import (
-    ADVERT_B64,
-    KEY_B64,
-    SEALED_SHARE_B64,
-    SHARE_B64,
-    SIGNATURE_B64,
-    SIGNER_B64,
+    KEY_BYTES,
+    SEALED_SHARE_BYTES,
+    SHARE_BYTES,
+    SIGNATURE_BYTES,
+    SIGNER_BYTES,
     SecAggAdvertise,
     SecAggMask,
-    SecAggNeighbours,
     SecAggReceived,
     SecAggShares,
     SecAggSignature,
@@ -91,8 +75,8 @@ def names(devices: int) -> tuple[str, ...]:
     return tuple(f"d{i:03d}" for i in range(devices))
 
 
-def make_config(round: int, devices: int, length: int, clip: float, **options: object) -> SecAggConfig:
-    return SecAggConfig.create(round, names(devices), length, clip, **options)  # type: ignore[arg-type]
+def make_config(session: int, devices: int, length: int, clip: float, **options: object) -> SecAggConfig:
+    return SecAggConfig.create(1, session, names(devices), length, clip, **options)  # type: ignore[arg-type]
 
 
 def clients_for(config: SecAggConfig) -> list[SecAggClient]:
@@ -103,43 +87,15 @@ def server_for(config: SecAggConfig) -> SecAggServer:
     return SecAggServer(config, FLEET, ROOT.public_key())
 
 
-def through_wire(message, traffic: dict[tuple[int, str], int], device: int, config: SecAggConfig, *,
-                 upward: bool = True):
-    """The message as the other side decodes it, through the bytes MQTT would carry (SecAggWire's JSON stage
-    messages, or the masked input's safetensors); its bytes counted against (`device`, the message's kind).
-    `upward`: a bundle of shares sent by `device` (else relayed to it)."""
-    wire = SecAggWire(round=1, session=config.round)
+def through_wire(message, traffic: dict[tuple[int, str], int], device: int):
+    """The message as the other side decodes it from the bytes MQTT would carry (its JSON, or the masked input's
+    safetensors); its bytes counted against (`device`, the message's kind)."""
     if isinstance(message, MaskedInput):
         payload = message.to_safetensors()
         decoded = MaskedInput.from_safetensors(payload)
-    elif isinstance(message, KeyAdvert):
-        payload = wire.advertise(message).encode()
-        decoded = wire.advert(SecAggAdvertise.decode(payload), device)
-    elif isinstance(message, NeighbourKeys):
-        payload = wire.neighbours(config, message, VectorSpec()).encode()
-        setup, decoded, _ = wire.setup(SecAggNeighbours.decode(payload))
-        assert setup == config
-    elif isinstance(message, EncryptedShares):
-        payload = wire.shares(message, upward=upward).encode()
-        decoded = wire.bundle(SecAggShares.decode(payload), device, upward=upward)
-    elif isinstance(message, ShareReport):
-        payload = wire.received(message).encode()
-        decoded = wire.report(SecAggReceived.decode(payload), device)
-    elif isinstance(message, MaskRequest):
-        payload = wire.mask(message).encode()
-        decoded = wire.mask_request(SecAggMask.decode(payload), device)
-    elif isinstance(message, SurvivorList):
-        payload = wire.survivors(message).encode()
-        decoded = wire.survivor_list(SecAggSurvivors.decode(payload), device)
-    elif isinstance(message, SurvivorSignature):
-        payload = wire.signature(message).encode()
-        decoded = wire.survivor_signature(SecAggSignature.decode(payload), device)
-    elif isinstance(message, UnmaskRequest):
-        payload = wire.unmask_request(message).encode()
-        decoded = wire.request(SecAggUnmaskRequest.decode(payload), device)
     else:
-        payload = wire.unmask(message).encode()
-        decoded = wire.response(SecAggUnmask.decode(payload), device)
+        payload = message.encode()
+        decoded = type(message).decode(payload)
     key = (device, type(message).__name__)
     traffic[key] = traffic.get(key, 0) + len(payload)
     return decoded
@@ -153,19 +109,19 @@ def run_round(config: SecAggConfig, vectors: np.ndarray, *, gone_before_keys=(),
     clients, server = clients_for(config), server_for(config)
     traffic: dict[tuple[int, str], int] = {}
 
-    def wire(message, device: int, upward: bool = True):
-        return through_wire(message, traffic, device, config, upward=upward)
+    def wire(message, device: int):
+        return through_wire(message, traffic, device)
 
-    keys = server.neighbour_keys(wire(c.advertise(), c.device) for c in clients if c.device not in gone_before_keys)
-    inbox = server.relay_shares([wire(clients[u].share_keys(wire(m, u)), u) for u, m in keys.items()
-                                 if u not in gone_before_shares])
-    requests = server.mask_requests([wire(clients[u].receive_shares(wire(m, u, upward=False)), u)
-                                     for u, m in inbox.items()])
+    keys = server.neighbour_keys({c.device: wire(c.advertise(), c.device) for c in clients
+                                  if c.device not in gone_before_keys})
+    inbox = server.relay_shares({u: wire(clients[u].share_keys(wire(m, u)), u) for u, m in keys.items()
+                                 if u not in gone_before_shares})
+    requests = server.mask_requests({u: wire(clients[u].receive_shares(wire(m, u)), u) for u, m in inbox.items()})
     lists = server.survivor_lists([wire(clients[u].masked_input(wire(m, u), vectors[u], rng), u)
                                    for u, m in requests.items() if u not in gone_before_input])
-    unmask = server.unmask_requests([wire(clients[u].sign_survivors(wire(m, u)), u) for u, m in lists.items()
-                                     if u not in gone_before_signature])
-    responses = [wire(clients[u].unmask(wire(m, u)), u) for u, m in unmask.items() if u not in gone_before_unmask]
+    unmask = server.unmask_requests({u: wire(clients[u].sign_survivors(wire(m, u)), u) for u, m in lists.items()
+                                     if u not in gone_before_signature})
+    responses = {u: wire(clients[u].unmask(wire(m, u)), u) for u, m in unmask.items() if u not in gone_before_unmask}
     return server.aggregate(responses), traffic
 
 
@@ -265,16 +221,16 @@ def to_stage(config: SecAggConfig, stage: str, vectors: np.ndarray | None = None
     server's last messages."""
     vectors = np.zeros((config.devices, config.length)) if vectors is None else vectors
     clients, server = clients_for(config), server_for(config)
-    keys = server.neighbour_keys(c.advertise() for c in clients)
-    inbox = server.relay_shares(clients[u].share_keys(m) for u, m in keys.items())
+    keys = server.neighbour_keys({c.device: c.advertise() for c in clients})
+    inbox = server.relay_shares({u: clients[u].share_keys(m) for u, m in keys.items()})
     if stage == "reports":
         return clients, server, inbox
-    requests = server.mask_requests(clients[u].receive_shares(m) for u, m in inbox.items())
+    requests = server.mask_requests({u: clients[u].receive_shares(m) for u, m in inbox.items()})
     masked = {u: clients[u].masked_input(m, vectors[u]) for u, m in requests.items()}
     if stage == "masked":
         return clients, server, masked
     lists = server.survivor_lists(masked.values())
-    return clients, server, server.unmask_requests(clients[u].sign_survivors(m) for u, m in lists.items())
+    return clients, server, server.unmask_requests({u: clients[u].sign_survivors(m) for u, m in lists.items()})
 
 
 def test_a_coordinator_that_lies_about_the_survivors_cannot_unmask_a_device() -> None:
@@ -289,27 +245,29 @@ def test_a_coordinator_that_lies_about_the_survivors_cannot_unmask_a_device() ->
     vectors = np.random.default_rng(8).uniform(-1, 1, (5, 64))
     clients, _, _ = to_stage(config, "masked", vectors)
     with pytest.raises(SecAggError, match="needs 3 to sign"):
-        clients[1].sign_survivors(SurvivorList(config.round, 1, (0, 1)))
+        clients[1].sign_survivors(SecAggSurvivors(config.round, config.session, [0, 1]))
 
     clients, _, _ = to_stage(config, "masked", vectors)  # afresh: each device signs one set a session
     told = {0: (0, 1, 2), 1: (0, 1, 2), 2: (0, 1, 2), 3: (0, 3, 4), 4: (0, 3, 4)}
-    signed = {u: clients[u].sign_survivors(SurvivorList(config.round, u, told[u])) for u in range(5)}
+    signed = {u: clients[u].sign_survivors(SecAggSurvivors(config.round, config.session, list(told[u])))
+              for u in range(5)}
 
-    def signer(u: int, signature: bytes | None = None, who: DeviceIdentity | None = None) -> Signer:
+    def signer(u: int, signature: bytes | None = None, who: DeviceIdentity | None = None) -> bytes:
         who = who or identity(config.roster[u])
-        return Signer(u, who.certificate.public, who.certificate.signature,
-                      signature if signature is not None else signed[u].signature)
+        return who.certificate.public + who.certificate.signature + (signature or signed[u].signature)
 
-    answers = {u: clients[u].unmask(UnmaskRequest(config.round, u, (signer(0), signer(1), signer(2))))
-               for u in (1, 2)}
+    def request(signers: dict[int, bytes]) -> SecAggUnmaskRequest:
+        return SecAggUnmaskRequest(config.round, config.session, signers)
+
+    answers = {u: clients[u].unmask(request({v: signer(v) for v in (0, 1, 2)})) for u in (1, 2)}
     for u in (3, 4):
-        for signers in ((signer(0), signer(3), signer(4)), (signer(1), signer(2), signer(3), signer(4))):
+        for signers in ((0, 3, 4), (1, 2, 3, 4)):
             with pytest.raises(UnmaskRefused, match="2 valid signatures"):
-                clients[u].unmask(UnmaskRequest(config.round, u, signers))
+                clients[u].unmask(request({v: signer(v) for v in signers}))
         impostor = DeviceIdentity.issue(Ed25519PrivateKey.generate(), FLEET, config.roster[0])  # not the fleet's root
         forged = impostor.sign(survivors_message(config.digest, (0, 3, 4)))
         with pytest.raises(UnmaskRefused):
-            clients[u].unmask(UnmaskRequest(config.round, u, (signer(0, forged, impostor), signer(3), signer(4))))
+            clients[u].unmask(request({0: signer(0, forged, impostor), 3: signer(3), 4: signer(4)}))
     seed_of_0 = {v + 1: int.from_bytes(a.seed_shares[0], "big") for v, a in answers.items()}
     key_of_3 = {v + 1: int.from_bytes(a.key_shares[3], "big") for v, a in answers.items()}
     assert len(seed_of_0) == len(key_of_3) == 2 < config.threshold
@@ -318,10 +276,16 @@ def test_a_coordinator_that_lies_about_the_survivors_cannot_unmask_a_device() ->
             reconstruct(shares, config.threshold, 0, "any")
 
     clients, server, requests = to_stage(config, "signed", vectors)  # the honest coordinator
-    result = server.aggregate(clients[u].unmask(m) for u, m in requests.items())
+    result = server.aggregate({u: clients[u].unmask(m) for u, m in requests.items()})
     assert np.abs(only_sum(result) - vectors.sum(axis=0)).max() <= quantization_bound(config, 5)
     with pytest.raises(UnmaskRefused, match="already"):  # answered once: a second request gets nothing
         clients[0].unmask(requests[0])
+
+
+def packed(advert: SecAggAdvertise) -> bytes:
+    """An advert as a setup relays it (docs/protocol.md, 6.9): c_public || s_public || identity || certificate ||
+    signature."""
+    return advert.c_public + advert.s_public + advert.identity + advert.certificate + advert.signature
 
 
 def test_adverts_are_checked_against_the_fleet_root_by_the_server_and_the_neighbours() -> None:
@@ -329,25 +293,26 @@ def test_adverts_are_checked_against_the_fleet_root_by_the_server_and_the_neighb
     advert of another session: the server refuses it, and so does a device it is relayed to."""
     config = make_config(6, 4, 4, 1.0)
     clients = clients_for(config)
-    honest = [c.advertise() for c in clients]
+    honest = {c.device: c.advertise() for c in clients}
+    setup = server_for(config).neighbour_keys(honest)[0]
     stranger = DeviceIdentity.issue(Ed25519PrivateKey.generate(), FLEET, config.roster[1])
     forgeries = {
         "substituted key": replace(honest[1], c_public=DeviceKeys.generate().public()[0]),
-        "another root": DeviceKeys.generate().advert(stranger, config.round, 1),
+        "another root": DeviceKeys.generate().advert(stranger, config.round, config.session),
         "another device's certificate": replace(honest[1], identity=honest[2].identity,
                                                 certificate=honest[2].certificate),
-        "another session": DeviceKeys.generate().advert(identity(config.roster[1]), config.round + 1, 1),
+        "another session": replace(DeviceKeys.generate().advert(identity(config.roster[1]), config.round,
+                                                                config.session + 1), session=config.session),
     }
     for what, forged in forgeries.items():
-        problem = replace(forged, round=config.round).problem(config.roster[1], FLEET, ROOT.public_key())
-        assert problem, what
+        assert advert_problem(forged, config.roster[1], FLEET, ROOT.public_key()), what
         with pytest.raises(IdentityError):
-            server_for(config).neighbour_keys([honest[0], replace(forged, round=config.round), *honest[2:]])
+            server_for(config).neighbour_keys({**honest, 1: forged})
         device = clients_for(config)[0]
         device.advertise()
         with pytest.raises(IdentityError):
-            device.share_keys(NeighbourKeys(config.round, 0, (replace(forged, round=config.round), *honest[2:])))
-    assert all(a.problem(config.roster[a.device], FLEET, ROOT.public_key()) == "" for a in honest)
+            device.share_keys(replace(setup, adverts={**setup.adverts, 1: packed(forged)}))
+    assert all(advert_problem(a, config.roster[u], FLEET, ROOT.public_key()) == "" for u, a in honest.items())
     with pytest.raises(ValueError, match="gives index 1"):  # a device only takes the index of its own name
         SecAggClient(config, 1, identity(config.roster[2]))
 
@@ -359,25 +324,23 @@ def test_a_device_whose_shares_do_not_authenticate_is_excluded_and_the_others_st
     config = make_config(2, 6, 16, 1.0)  # complete graph: k = 5, t = 3
     vectors = np.random.default_rng(4).uniform(-1, 1, (6, 16))
     clients, server = clients_for(config), server_for(config)
-    keys = server.neighbour_keys(c.advertise() for c in clients)
+    keys = server.neighbour_keys({c.device: c.advertise() for c in clients})
     bundles = {u: clients[u].share_keys(m) for u, m in keys.items()}
-    bundles[3] = replace(bundles[3], shares=tuple(replace(s, ciphertext=secrets.token_bytes(len(s.ciphertext)))
-                                                  for s in bundles[3].shares))
-    inbox = server.relay_shares(bundles.values())
-    from_five = next(s for s in inbox[0].shares if s.sender == 5)  # 5's share to 0, presented as 4's
-    inbox[0] = replace(inbox[0], shares=tuple(replace(s, nonce=from_five.nonce, ciphertext=from_five.ciphertext)
-                                              if s.sender == 4 else s for s in inbox[0].shares))
+    bundles[3] = replace(bundles[3], shares={v: s[:NONCE_BYTES] + secrets.token_bytes(len(s) - NONCE_BYTES)
+                                             for v, s in bundles[3].shares.items()})
+    inbox = server.relay_shares(bundles)
+    inbox[0] = replace(inbox[0], shares={**inbox[0].shares, 4: inbox[0].shares[5]})  # 5's share to 0, as 4's
     reports = {u: clients[u].receive_shares(m) for u, m in inbox.items()}
-    assert reports[0].skipped == (3, 4) and all(reports[u].skipped == (3,) for u in (1, 2, 4, 5))
-    assert reports[3].skipped == ()
+    assert reports[0].skipped == [3, 4] and all(reports[u].skipped == [3] for u in (1, 2, 4, 5))
+    assert reports[3].skipped == []
     with pytest.raises(SecAggError, match="fewer than t"):
-        server.check_report(ShareReport(config.round, 1, (0, 2, 3)))
-    requests = server.mask_requests(reports.values())
+        server.check_report(1, SecAggReceived(config.round, config.session, [0, 2, 3]))
+    requests = server.mask_requests(reports)
     assert server.excluded == (3, 4) and sorted(requests) == [0, 1, 2, 5]
-    assert requests[0].excluded == (3, 4)
+    assert requests[0].excluded == [3, 4]
     lists = server.survivor_lists(clients[u].masked_input(m, vectors[u]) for u, m in requests.items())
-    unmask = server.unmask_requests(clients[u].sign_survivors(m) for u, m in lists.items())
-    result = server.aggregate(clients[u].unmask(m) for u, m in unmask.items())
+    unmask = server.unmask_requests({u: clients[u].sign_survivors(m) for u, m in lists.items()})
+    result = server.aggregate({u: clients[u].unmask(m) for u, m in unmask.items()})
     kept = [0, 1, 2, 5]
     assert result.survivors == tuple(kept)
     assert np.abs(only_sum(result) - vectors[kept].sum(axis=0)).max() <= quantization_bound(config, 4)
@@ -397,10 +360,10 @@ def test_groups_are_summed_apart_and_a_lie_spoils_only_its_own_group() -> None:
         assert np.abs(group.sum - vectors[members].sum(axis=0)).max() <= quantization_bound(config, len(members))
 
     clients, server, requests = to_stage(config, "signed", vectors)
-    responses = [clients[u].unmask(m) for u, m in requests.items()]
-    liar = next(r for r in responses if r.device == 6)
+    responses = {u: clients[u].unmask(m) for u, m in requests.items()}
+    liar = responses[6]
     victim = min(liar.seed_shares)
-    responses[responses.index(liar)] = replace(liar, seed_shares={**liar.seed_shares, victim: b"\x01" * SHARE_BYTES})
+    responses[6] = replace(liar, seed_shares={**liar.seed_shares, victim: b"\x01" * SHARE_BYTES})
     first, second = server.aggregate(responses).groups
     assert np.abs(first.sum - vectors[:4].sum(axis=0)).max() <= quantization_bound(config, 4)
     assert second.lied or np.abs(second.sum - vectors[4:].sum(axis=0)).max() > 1.0
@@ -423,9 +386,9 @@ def test_masked_input_hides_the_vector_and_stages_run_once() -> None:
     config = make_config(9, 3, 20_000, 1.0)
     clients, _, masked = to_stage(config, "masked")
     with pytest.raises(SecAggError):  # a second masked input under the same masks would leak a difference
-        clients[0].masked_input(MaskRequest(config.round, 0, ()), np.ones(20_000))
+        clients[0].masked_input(SecAggMask(config.round, config.session, []), np.ones(20_000))
     with pytest.raises(SecAggError):  # an unmask request before the device signed the survivors
-        clients[0].unmask(UnmaskRequest(config.round, 0, ()))
+        clients[0].unmask(SecAggUnmaskRequest(config.round, config.session, {}))
     zero = quantize(np.zeros(20_000), config.clip, config.value_bits)
     assert (masked[0].masked != zero).mean() > 0.99
     assert abs(masked[0].masked.astype(np.float64).mean() / 2**32 - 0.5) < 0.01  # uniform over the whole field
@@ -434,60 +397,63 @@ def test_masked_input_hides_the_vector_and_stages_run_once() -> None:
 def test_the_server_refuses_inputs_outside_the_protocol() -> None:
     config = make_config(2, 4, 4, 1.0)
     clients, server = clients_for(config), server_for(config)
-    keys = server.neighbour_keys(c.advertise() for c in clients if c.device != 3)
-    inbox = server.relay_shares(clients[u].share_keys(m) for u, m in keys.items())
-    requests = server.mask_requests(clients[u].receive_shares(m) for u, m in inbox.items())
-    stranger = MaskedInput(config.round, 3, np.zeros(4, dtype=np.uint32))  # never shared its keys
-    with pytest.raises(SecAggError):
+    keys = server.neighbour_keys({c.device: c.advertise() for c in clients if c.device != 3})
+    inbox = server.relay_shares({u: clients[u].share_keys(m) for u, m in keys.items()})
+    requests = server.mask_requests({u: clients[u].receive_shares(m) for u, m in inbox.items()})
+    stranger = MaskedInput(config.session, 3, np.zeros(4, dtype=np.uint32))  # never shared its keys
+    with pytest.raises(SecAggError, match="device 3"):
         server.survivor_lists([clients[0].masked_input(requests[0], np.zeros(4)), stranger])
-    with pytest.raises(SecAggError):
-        server_for(config).neighbour_keys([clients_for(config)[0].advertise(), replace(clients[1].advertise(),
-                                                                                      round=1)])
+    fresh = clients_for(config)
+    with pytest.raises(SecAggError, match="session 1"):  # an advert of another session
+        server_for(config).neighbour_keys({0: fresh[0].advertise(), 1: replace(fresh[1].advertise(), session=1)})
 
 
-def test_messages_round_trip() -> None:
-    """Every kernel message comes back equal through SecAggWire and the wire's JSON, both ways."""
-    config = make_config(5, 50, 7, 0.25, graph_seed=3, groups=(20, 30))
-    advert = KeyAdvert(5, 2, b"\x01" * 32, b"\x02" * 32, b"\x03" * 32, b"\x04" * 64, b"\x05" * 64)
-    sealed = {"nonce": b"n" * NONCE_BYTES, "ciphertext": b"c" * (SEALED_SHARE_BYTES - NONCE_BYTES)}
-    signer = Signer(3, b"i" * 32, b"c" * 64, b"s" * 64)
-    for message, upward in ((advert, True), (NeighbourKeys(5, 0, (advert,)), False),
-                            (EncryptedShares(5, 2, (EncryptedShare(2, 0, **sealed),)), True),
-                            (EncryptedShares(5, 0, (EncryptedShare(2, 0, **sealed),)), False),
-                            (ShareReport(5, 0, (2, 7)), True), (MaskRequest(5, 0, (7,)), False),
-                            (SurvivorList(5, 0, tuple(range(40))), False), (SurvivorSignature(5, 0, b"g" * 64), True),
-                            (UnmaskRequest(5, 0, (signer,)), False),
-                            (UnmaskResponse(5, 0, {2: b"s" * SHARE_BYTES}, {4: b"k" * SHARE_BYTES}), True)):
-        assert through_wire(message, {}, message.device, config, upward=upward) == message
+def test_messages_round_trip_and_the_setup_is_the_servers() -> None:
+    """Every stage message comes back equal through the wire's JSON (bytes as base64, indices as object keys), and
+    a device decodes from its setup the server's configuration and the vector's options."""
+    share, sealed = b"s" * SHARE_BYTES, b"c" * SEALED_SHARE_BYTES
+    for message in (SecAggAdvertise(1, 5, b"\x01" * 32, b"\x02" * 32, b"\x03" * 32, b"\x04" * 64, b"\x05" * 64),
+                    SecAggShares(1, 5, {2: sealed, 0: sealed}), SecAggReceived(1, 5, [2, 7]), SecAggMask(1, 5, [7]),
+                    SecAggSurvivors(1, 5, list(range(40))), SecAggSignature(1, 5, b"g" * 64),
+                    SecAggUnmaskRequest(1, 5, {3: b"i" * SIGNER_BYTES}), SecAggUnmask(1, 5, {2: share}, {4: share})):
+        assert through_wire(message, {}, 0) == message
     masked = MaskedInput(1, 2, np.arange(10, dtype=np.uint32))
     decoded = MaskedInput.from_safetensors(masked.to_safetensors())
-    assert (decoded.round, decoded.device) == (1, 2) and np.array_equal(decoded.masked, masked.masked)
+    assert (decoded.session, decoded.device) == (1, 2) and np.array_equal(decoded.masked, masked.masked)
     with pytest.raises(SecAggError):
         MaskedInput.from_safetensors(b"\x00" * 16)
-    wire = SecAggWire(round=1, session=5)
-    spec = VectorSpec(weight_scale=40, clip_norm=0.2, noise_std=0.01, weights="uniform", tensors="trainable")
-    setup, _, got = wire.setup(SecAggNeighbours.decode(wire.neighbours(config, NeighbourKeys(5, 0, ()), spec).encode()))
-    assert (setup, got) == (config, spec) and setup.digest == config.digest
+
+    config = make_config(5, 50, 7, 0.25, graph_seed=3, groups=(20, 30))
+    adverts = {c.device: c.advertise() for c in clients_for(config)}
+    setups = server_for(config).neighbour_keys(adverts, 40, clip_norm=0.2, noise_std=0.01, weights="uniform",
+                                               tensors="trainable")
+    setup = through_wire(setups[0], {}, 0)
+    assert setup == setups[0] and SecAggConfig.of(setup) == config and SecAggConfig.of(setup).digest == config.digest
+    assert (setup.weight_scale, setup.clip_norm, setup.noise_std, setup.weights, setup.tensors) == (
+        40, 0.2, 0.01, "uniform", "trainable")
+    assert {v: packed(adverts[v]) for v in config.neighbours(0)} == setup.adverts
     assert replace(config, roster=(*config.roster[:-1], "other")).digest != config.digest  # the roster is bound
 
 
-def test_the_wire_bounds_are_the_kernel_byte_sizes_and_other_sizes_are_refused() -> None:
-    def b64(size: int) -> int:
-        return 4 * math.ceil(size / 3)
-
-    assert (b64(KEY_BYTES), b64(SHARE_BYTES), b64(SEALED_SHARE_BYTES), b64(SIGNATURE_BYTES), b64(ADVERT_BYTES),
-            b64(SIGNER_BYTES)) == (KEY_B64, SHARE_B64, SEALED_SHARE_B64, SIGNATURE_B64, ADVERT_B64, SIGNER_B64)
-    wire = SecAggWire(round=1, session=1)
+def test_the_wire_sizes_are_the_kernel_byte_sizes_and_other_sizes_are_refused() -> None:
+    """fedper.wire's byte sizes are those of the kernel's primitives; a stage message, written by hand, whose
+    base64 holds another number of bytes, or is not base64, is refused before the kernel sees it."""
+    assert (PRIME.bit_length() + 7) // 8 == SHARE_BYTES
+    assert SEALED_SHARE_BYTES == NONCE_BYTES + SHARE_PLAINTEXT_BYTES + TAG_BYTES
+    assert {len(k) for k in DeviceKeys.generate().public()} == {len(identity("d000").certificate.public)} == {KEY_BYTES}
+    assert len(identity("d000").sign(b"x")) == SIGNATURE_BYTES
     short = base64.b64encode(b"x" * (SEALED_SHARE_BYTES - 1)).decode()
-    for refused in (lambda: wire.bundle(SecAggShares(1, 1, {"0": short}), 1, upward=True),
-                    lambda: wire.advert(SecAggAdvertise(1, 1, short[:44], short[:44], short[:44], short[:88],
-                                                        short[:88])),
-                    lambda: wire.response(SecAggUnmask(1, 1, {"0": "AAAA"}, {}), 1),
-                    lambda: wire.request(SecAggUnmaskRequest(1, 1, {"0": short[:216]}), 1),
-                    lambda: wire.survivor_signature(SecAggSignature(1, 1, "AAAA"), 1)):
+    advert = {"stage": "advertise", "c_public": short[:44], "s_public": short[:44], "identity": short[:44],
+              "certificate": short[:88], "signature": short[:88]}
+    for kind, body in ((SecAggShares, {"stage": "shares", "shares": {"0": short}}),
+                       (SecAggAdvertise, advert),  # 44 characters without padding: 33 bytes
+                       (SecAggAdvertise, {**advert, "c_public": "!" * 43 + "="}),
+                       (SecAggUnmask, {"stage": "unmask", "seed_shares": {"0": "AAAA"}, "key_shares": {}}),
+                       (SecAggUnmaskRequest, {"stage": "unmask", "signatures": {"0": short[:216]}}),
+                       (SecAggSignature, {"stage": "consistency", "signature": "AAAA"})):
         with pytest.raises(WireError) as e:
-            refused()
-        assert e.value.code == "bad_message"
+            kind.decode(json.dumps({"v": 1, "round": 1, "session": 1, **body}).encode())
+        assert e.value.code == "bad_message" and "bytes" in str(e.value)
 
 
 def test_the_summed_tensors_are_one_manifest_method() -> None:
@@ -520,7 +486,7 @@ def per_device_bytes(devices: int, degree: int | None) -> tuple[int, float, floa
     signature, the unmask request's signatures)."""
     config = make_config(1, devices, 16, 1.0, degree=degree, graph_seed=devices)
     _, traffic = run_round(config, np.zeros((devices, 16)))
-    check = ("NeighbourKeys", "SurvivorList", "SurvivorSignature", "UnmaskRequest")
+    check = ("SecAggNeighbours", "SecAggSurvivors", "SecAggSignature", "SecAggUnmaskRequest")
     consistency = sum(b for (_, kind), b in traffic.items() if kind in check)
     return config.degree, (sum(traffic.values()) - consistency) / devices, consistency / devices
 
@@ -555,7 +521,6 @@ def test_the_vectors_signatures_verify_over_the_documented_bytes() -> None:
     certificate (context, fleet, device, key, NUL-separated), the advert (protocol, " advert", session as u64,
     device, NUL, c, s) and the survivors (protocol, " survivors", setup digest, u32 count, u32 indices) verify
     in tests/vectors under the vectors' root."""
-    import json
     import struct
     from pathlib import Path
 

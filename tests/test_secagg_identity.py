@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fedper.secagg import CERTIFICATE_FILE, DeviceKeys, Identity, IdentityError, load_root
+from fedper.secagg import CERTIFICATE_FILE, DeviceKeys, Identity, IdentityError, advert_problem, load_root
 
 SCRIPT = Path(__file__).resolve().parents[1] / "deploy" / "provision-identity.sh"
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
@@ -31,11 +31,11 @@ def test_the_script_makes_identities_the_kernel_loads_and_the_root_verifies(tmp_
     identity = Identity.load(tmp_path / "dev")
     assert (identity.name, identity.fleet) == ("jetson-07", "lab")
     assert oct((tmp_path / "dev" / "identity.pem").stat().st_mode & 0o777) == "0o600"
-    advert = DeviceKeys.generate().advert(identity, session=5)
+    advert = DeviceKeys.generate().advert(identity, round=1, session=5)
     coordinator_root = load_root(Path(f"{root}.pub"))
-    assert advert.problem("jetson-07", "lab", coordinator_root) == ""
-    assert advert.problem("jetson-08", "lab", coordinator_root)  # the certificate names the device
-    assert advert.problem("jetson-07", "farm", coordinator_root)  # and the fleet
+    assert advert_problem(advert, "jetson-07", "lab", coordinator_root) == ""
+    assert advert_problem(advert, "jetson-08", "lab", coordinator_root)  # the certificate names the device
+    assert advert_problem(advert, "jetson-07", "farm", coordinator_root)  # and the fleet
 
     other = tmp_path / "other.key"
     provision("--root", other)

@@ -125,7 +125,7 @@ class Fleet:
         participant = self.participants[name]
         client = participant.client
         assert client is not None
-        masked = client.masked_input(participant.wire.mask_request(request, client.device), self.liars[name])
+        masked = client.masked_input(request, self.liars[name])
         meta = {"round": participant.round, "n_samples": self.n[name], "base_digest": self.manifest.base_digest,
                 "codec": "secagg"}
         for frame in chunks(masked.to_safetensors(), meta, blob_id="lie", chunk_size=self.chunk_size):

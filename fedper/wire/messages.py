@@ -5,6 +5,8 @@ fields' names, so a new field cannot go unchecked and `X | None` is checked as X
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import re
@@ -50,10 +52,17 @@ class Text:
 
 @dataclass(frozen=True)
 class Entries:
-    """A secure-aggregation map's or list's number of entries, and each base64 value's length in a map."""
+    """A secure-aggregation map's or list's number of entries, and each value's size in bytes in a map."""
 
     max_items: int
-    max_length: int = 0
+    size: int = 0
+
+
+@dataclass(frozen=True)
+class Bytes:
+    """A secure-aggregation byte string of exactly `size` bytes, base64 with padding (RFC 4648, 4) on the wire."""
+
+    size: int
 
 
 @dataclass(frozen=True)
@@ -135,7 +144,9 @@ def _check(hint: Any, where: str) -> Check:
         return lambda name, value: _text(name, value, Text(), args)
     if hint == dict[str, float]:
         return _metrics
-    if hint == dict[str, str] and isinstance(constraint, Entries):
+    if hint is bytes and isinstance(constraint, Bytes):
+        return lambda name, value: _bytes(name, value, constraint.size)
+    if hint == dict[int, bytes] and isinstance(constraint, Entries):
         return lambda name, value: _index_map(name, value, constraint)
     if origin is list and isinstance(constraint, Entries) and len(args) == 1:
         item = get_args(args[0])
@@ -147,7 +158,10 @@ def _check(hint: Any, where: str) -> Check:
 
 
 def _plain(value: Any) -> Any:
-    return dict(value) if isinstance(value, dict) else value
+    """A field's JSON value: bytes as base64, a map's keys as strings (a device's index in secure aggregation)."""
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode("ascii")
+    return {str(key): _plain(v) for key, v in value.items()} if isinstance(value, dict) else value
 
 
 def _finite(text: str) -> float:
@@ -227,20 +241,29 @@ def _metrics(name: str, value: Any) -> dict[str, float]:
 
 
 _INDEX = re.compile(r"0|[1-9][0-9]{0,5}")  # a device's index in a secure-aggregation round, as an object key
-_BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
 
 
-def _index_map(name: str, value: Any, entries: Entries) -> dict[str, str]:
-    """An index -> base64 map (secure aggregation)."""
+def _bytes(name: str, value: Any, size: int) -> bytes:
+    """Base64 of exactly `size` bytes, as those bytes."""
+    if isinstance(value, str) and len(value) == 4 * math.ceil(size / 3):
+        try:
+            data = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            data = b""
+        if len(data) == size:
+            return data
+    raise WireError("bad_message", f"{name} must be base64 of {size} bytes")
+
+
+def _index_map(name: str, value: Any, entries: Entries) -> dict[int, bytes]:
+    """An index -> base64 map (secure aggregation), as index -> bytes."""
     if not isinstance(value, dict) or len(value) > entries.max_items:
         raise WireError("bad_message", f"{name} must be an object of at most {entries.max_items} strings, got "
                         f"{len(value) if isinstance(value, dict) else type(value).__name__}")
-    for key, text in value.items():
+    for key in value:
         if not _INDEX.fullmatch(key):
             raise WireError("bad_message", f"{name}: key {shown(key)} must be a device index, {_INDEX.pattern}")
-        if not isinstance(text, str) or len(text) > entries.max_length or not _BASE64.fullmatch(text):
-            raise WireError("bad_message", f"{name}.{key} must be base64 of at most {entries.max_length} characters")
-    return dict(value)
+    return {int(key): _bytes(f"{name}.{key}", text, entries.size) for key, text in value.items()}
 
 
 def _int_list(name: str, value: Any, entries: Entries, bounds: Int) -> list[int]:
@@ -341,22 +364,21 @@ SECAGG_CODEC = "secagg"  # UpdateMeta.codec of a masked input: a safetensors blo
 MAX_SECAGG_DEVICES = 10_000  # devices in one secure-aggregation session (indices 0..n-1): the consistency check
 # sends each device the signatures of more than half of them
 MAX_SECAGG_NEIGHBOURS = 1_000  # k: entries of a stage message's index -> base64 map of neighbours
-# Lengths in base64 of the kernel's byte strings (fedper.secagg's KEY_BYTES, SHARE_BYTES, SEALED_SHARE_BYTES,
-# SIGNATURE_BYTES, ADVERT_BYTES, SIGNER_BYTES; tests/test_secagg.py checks them): an X25519 or Ed25519 public key;
-# a Shamir share; a sealed share; an Ed25519 signature; a neighbour's advert; a signer of the survivor set.
-KEY_B64 = 44
-SHARE_B64 = 88
-SEALED_SHARE_B64 = 224
-SIGNATURE_B64 = 88
-ADVERT_B64 = 300
-SIGNER_B64 = 216
+# Sizes of the byte strings a stage message carries (base64 on the wire; docs/protocol.md, 6.9). fedper.secagg
+# makes and reads them; tests/test_secagg.py checks them against its primitives.
+KEY_BYTES = 32  # an X25519 or Ed25519 public key
+SIGNATURE_BYTES = 64  # an Ed25519 signature
+SHARE_BYTES = 66  # a Shamir share: an element of the field mod 2**521 - 1, big-endian
+SEALED_SHARE_BYTES = 168  # a 12-byte nonce || the AES-GCM ciphertext of (sender, receiver, two shares) and its tag
+ADVERT_BYTES = 3 * KEY_BYTES + 2 * SIGNATURE_BYTES  # c, s, identity keys; the certificate; the keys' signature
+SIGNER_BYTES = KEY_BYTES + 2 * SIGNATURE_BYTES  # identity key, its certificate, its signature of the survivors
 
-Key = Annotated[str, Text(KEY_B64, _BASE64)]
-Signature = Annotated[str, Text(SIGNATURE_B64, _BASE64)]
+Key = Annotated[bytes, Bytes(KEY_BYTES)]
+Signature = Annotated[bytes, Bytes(SIGNATURE_BYTES)]
 Index = Annotated[int, Int(0, MAX_SECAGG_DEVICES - 1)]
 Indices = Annotated[list[Index], Entries(MAX_SECAGG_NEIGHBOURS)]  # some of a device's neighbours
 Survivors = Annotated[list[Index], Entries(MAX_SECAGG_DEVICES)]  # some of the session's devices
-Shares = Annotated[dict[str, str], Entries(MAX_SECAGG_NEIGHBOURS, SHARE_B64)]  # index -> base64, k entries at most
+Shares = Annotated[dict[int, bytes], Entries(MAX_SECAGG_NEIGHBOURS, SHARE_BYTES)]  # index -> a share, k at most
 
 
 @dataclass(frozen=True)
@@ -393,7 +415,7 @@ class SecAggNeighbours(Message):
     value_bits: Annotated[int, Int(1, 32)]
     graph_seed: int
     weight_scale: Positive  # a device sends (n_j / weight_scale) * its clipped delta
-    adverts: Annotated[dict[str, str], Entries(MAX_SECAGG_NEIGHBOURS, ADVERT_B64)]
+    adverts: Annotated[dict[int, bytes], Entries(MAX_SECAGG_NEIGHBOURS, ADVERT_BYTES)]
     stage: Annotated[Literal["neighbours"], Required()] = "neighbours"
     clip_norm: float | None = None  # the L2 bound of a delta when it is below `clip` (the quantization range)
     noise_std: float = 0.0  # distributed DP: each device adds N(0, noise_std^2) to each value before quantizing
@@ -409,7 +431,7 @@ class SecAggShares(Message):
 
     round: Positive
     session: Positive
-    shares: Annotated[dict[str, str], Entries(MAX_SECAGG_NEIGHBOURS, SEALED_SHARE_B64)]
+    shares: Annotated[dict[int, bytes], Entries(MAX_SECAGG_NEIGHBOURS, SEALED_SHARE_BYTES)]
     stage: Annotated[Literal["shares"], Required()] = "shares"
 
 
@@ -464,7 +486,7 @@ class SecAggUnmaskRequest(Message):
 
     round: Positive
     session: Positive
-    signatures: Annotated[dict[str, str], Entries(MAX_SECAGG_DEVICES, SIGNER_B64)]
+    signatures: Annotated[dict[int, bytes], Entries(MAX_SECAGG_DEVICES, SIGNER_BYTES)]
     stage: Annotated[Literal["unmask"], Required()] = "unmask"
 
 

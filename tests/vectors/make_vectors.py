@@ -29,6 +29,10 @@ from fedper.wire import (
     SecAggMask,
     SecAggReceived,
     SecAggShares,
+    SecAggSignature,
+    SecAggSurvivors,
+    SecAggUnmask,
+    SecAggUnmaskRequest,
     Topics,
     UpdateMeta,
     chunk,
@@ -156,21 +160,11 @@ def secagg_vectors(topics: Topics) -> dict[str, tuple[bytes, dict]]:
         Certificate,
         DeviceKeys,
         Identity,
-        NeighbourKeys,
         SecAggConfig,
-        SecAggWire,
-        Signer,
-        SurvivorList,
-        SurvivorSignature,
-        UnmaskRequest,
-        UnmaskResponse,
-        VectorSpec,
+        SecAggServer,
         certificate_message,
         survivors_message,
     )
-
-    def b64(data: bytes) -> str:
-        return base64.b64encode(data).decode()
 
     root = Ed25519PrivateKey.from_private_bytes(_fixed("fleet root"))
     roster = (DEVICE, "phone-2", "phone-3")
@@ -183,27 +177,25 @@ def secagg_vectors(topics: Topics) -> dict[str, tuple[bytes, dict]]:
     keys = {name: DeviceKeys(X25519PrivateKey.from_private_bytes(_fixed(f"c {name}")),
                              X25519PrivateKey.from_private_bytes(_fixed(f"s {name}"))) for name in roster}
     session = 4242
-    wire = SecAggWire(round=1, session=session)
-    config = SecAggConfig.create(session, roster, length=5, clip=0.5, graph_seed=7)
-    adverts = {name: keys[name].advert(identities[name], session, i) for i, name in enumerate(roster)}
+    config = SecAggConfig.create(1, session, roster, length=5, clip=0.5, graph_seed=7)
+    adverts = {i: keys[name].advert(identities[name], 1, session) for i, name in enumerate(roster)}
+    setups = SecAggServer(config, FLEET, root.public_key()).neighbour_keys(adverts, weight_scale=120)
     sealed = _fixed("sealed share", 168)
-    signature = identities[DEVICE].sign(survivors_message(config.digest, (0, 1, 2)))
-    signers = tuple(Signer(i, adverts[name].identity, adverts[name].certificate,
-                           identities[name].sign(survivors_message(config.digest, (0, 1, 2))))
-                    for i, name in enumerate(roster[:2]))
-    extra = {"root": b64(root.public_key().public_bytes_raw()), "setup_digest": config.digest.hex()}
+    signatures = [identities[name].sign(survivors_message(config.digest, (0, 1, 2))) for name in roster[:2]]
+    signers = {i: adverts[i].identity + adverts[i].certificate + signatures[i] for i in range(2)}
+    extra = {"root": base64.b64encode(root.public_key().public_bytes_raw()).decode(),
+             "setup_digest": config.digest.hex()}
     messages = {
-        "secagg-advertise": (topics.secagg(DEVICE), wire.advertise(adverts[DEVICE])),
-        "secagg-neighbours": (topics.relay(DEVICE), wire.neighbours(config, NeighbourKeys(
-            session, 0, (adverts["phone-2"], adverts["phone-3"])), VectorSpec(weight_scale=120))),
-        "secagg-shares-up": (topics.secagg(DEVICE), SecAggShares(1, session, {"1": b64(sealed), "2": b64(sealed)})),
+        "secagg-advertise": (topics.secagg(DEVICE), adverts[0]),
+        "secagg-neighbours": (topics.relay(DEVICE), setups[0]),
+        "secagg-shares-up": (topics.secagg(DEVICE), SecAggShares(1, session, {1: sealed, 2: sealed})),
         "secagg-received": (topics.secagg(DEVICE), SecAggReceived(1, session, [2])),
         "secagg-mask": (topics.relay(DEVICE), SecAggMask(1, session, [])),
-        "secagg-consistency-down": (topics.relay(DEVICE), wire.survivors(SurvivorList(session, 0, (0, 1, 2)))),
-        "secagg-consistency-up": (topics.secagg(DEVICE), wire.signature(SurvivorSignature(session, 0, signature))),
-        "secagg-unmask-down": (topics.relay(DEVICE), wire.unmask_request(UnmaskRequest(session, 0, signers))),
-        "secagg-unmask-up": (topics.secagg(DEVICE), wire.unmask(UnmaskResponse(
-            session, 0, {1: _fixed("seed share of 1", 66)}, {2: _fixed("key share of 2", 66)}))),
+        "secagg-consistency-down": (topics.relay(DEVICE), SecAggSurvivors(1, session, [0, 1, 2])),
+        "secagg-consistency-up": (topics.secagg(DEVICE), SecAggSignature(1, session, signatures[0])),
+        "secagg-unmask-down": (topics.relay(DEVICE), SecAggUnmaskRequest(1, session, signers)),
+        "secagg-unmask-up": (topics.secagg(DEVICE), SecAggUnmask(
+            1, session, {1: _fixed("seed share of 1", 66)}, {2: _fixed("key share of 2", 66)})),
     }
     return {name: (msg.encode(), {"topic": topic, "kind": type(msg).__name__, "message": json.loads(msg.encode()),
                                   **extra})

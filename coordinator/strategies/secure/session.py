@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Callable, Mapping, Sequence, Set
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -25,17 +25,11 @@ from fedper.coordinator.logs import log
 from fedper.manifest import Manifest, SummedTensors
 from fedper.secagg import (
     AggregateResult,
-    EncryptedShares,
-    KeyAdvert,
     MaskedInput,
     SecAggConfig,
     SecAggError,
     SecAggServer,
-    SecAggWire,
-    ShareReport,
-    SurvivorSignature,
-    UnmaskResponse,
-    VectorSpec,
+    advert_problem,
     usable_public_key,
 )
 from fedper.wire import (
@@ -156,18 +150,18 @@ class SecureRound:
     noise: DistributedNoise | None = None  # given to close_adverts; None: clear sums weighted by n_j
     stage: Stage = Stage.ADVERTISE
     deadline: float = 0.0  # of stages 2-6 (stage 1 closes at the round's deadline, decided by the engine)
-    adverts: dict[str, KeyAdvert] = field(default_factory=dict)  # device -> its verified advert (index -1)
+    adverts: dict[str, SecAggAdvertise] = field(default_factory=dict)  # device -> its verified advert
     roster: tuple[str, ...] = ()  # index -> device, fixed when stage 1 closes (grouped: plan_groups' order)
     weight_scale: int = 1
     weights: dict[str, int] = field(default_factory=dict)  # device -> registered n_j, fixed with the roster
     server: SecAggServer | None = None
-    _bundles: dict[int, EncryptedShares] = field(default_factory=dict)
-    _reports: dict[int, ShareReport] = field(default_factory=dict)
+    _bundles: dict[int, SecAggShares] = field(default_factory=dict)
+    _reports: dict[int, SecAggReceived] = field(default_factory=dict)
     _expected: set[int] = field(default_factory=set)  # indices that may still answer the open stage
     _masked: dict[int, MaskedInput] = field(default_factory=dict)
-    _signatures: dict[int, SurvivorSignature] = field(default_factory=dict)
+    _signatures: dict[int, SecAggSignature] = field(default_factory=dict)
     _contributions: dict[str, _Contribution] = field(default_factory=dict)
-    _responses: dict[int, UnmaskResponse] = field(default_factory=dict)
+    _responses: dict[int, SecAggUnmask] = field(default_factory=dict)
     result: AggregateResult | None = None
     failure: str = ""
     reported: tuple[str, ...] = ()  # devices left out of the session by their neighbours' reports
@@ -198,31 +192,23 @@ class SecureRound:
         if (message.round, message.session) != (self.round, self.session):
             raise WireError("secagg", f"message for round {message.round} session {message.session}, the open one "
                             f"is round {self.round} session {self.session}")
-        wire, server = self.wire, self.server  # the server exists from stage 2 on, which _index checks first
+        server = self.server  # it exists from stage 2 on, which _index checks first
         if isinstance(message, SecAggAdvertise):
             self._on_advert(device, message)
         elif isinstance(message, SecAggShares):
-            index = self._index(device, Stage.SHARES)
-            self._take(self._bundles, index, server.check_shares, wire.bundle(message, index, upward=True))
+            self._take(self._bundles, self._index(device, Stage.SHARES), server.check_shares, message)
         elif isinstance(message, SecAggReceived):
-            index = self._index(device, Stage.RECEIVED)
-            self._take(self._reports, index, server.check_report, wire.report(message, index))
+            self._take(self._reports, self._index(device, Stage.RECEIVED), server.check_report, message)
         elif isinstance(message, SecAggSignature):
-            index = self._index(device, Stage.CONSISTENCY)
-            self._take(self._signatures, index, server.check_signature, wire.survivor_signature(message, index))
+            self._take(self._signatures, self._index(device, Stage.CONSISTENCY), server.check_signature, message)
         else:
-            index = self._index(device, Stage.UNMASK)
-            self._take(self._responses, index, server.check_response, wire.response(message, index))
+            self._take(self._responses, self._index(device, Stage.UNMASK), server.check_response, message)
 
-    def _take(self, store: dict[int, Any], index: int, check: Callable[[Any], None], message: object) -> None:
+    def _take(self, store: dict[int, Any], index: int, check: Callable[[int, Any], None], message: object) -> None:
         """A stage message the kernel's check accepts is kept; one it refuses is answered `secagg`."""
-        self._refused_by_kernel(check, message)
+        self._refused_by_kernel(check, index, message)
         store[index] = message
         self._expected.discard(index)
-
-    @property
-    def wire(self) -> SecAggWire:
-        return SecAggWire(self.round, self.session)
 
     def _index(self, device: str, stage: Stage) -> int:
         if self.stage != stage:
@@ -237,17 +223,16 @@ class SecureRound:
     def _on_advert(self, device: str, message: SecAggAdvertise) -> None:
         if self.stage != Stage.ADVERTISE:
             raise WireError("secagg", f"session {self.session} closed its advertisements: wait for the next session")
-        advert = self.wire.advert(message)
-        problem = advert.problem(device, self.settings.fleet, self.settings.root)
+        problem = advert_problem(message, device, self.settings.fleet, self.settings.root)
         if problem:
             raise WireError("secagg", problem)
-        keys = (advert.c_public, advert.s_public)
+        keys = (message.c_public, message.s_public)
         if keys[0] == keys[1] or any(k in (a.c_public, a.s_public) for d, a in self.adverts.items() if d != device
                                      for k in keys):
             raise WireError("secagg", "public keys must be distinct, and not another device's")
         if not all(usable_public_key(k) for k in keys):
             raise WireError("secagg", "a public key is a low-order X25519 point: it agrees on no secret")
-        self.adverts[device] = advert  # a device that restarted in this stage replaces its keys
+        self.adverts[device] = message  # a device that restarted in this stage replaces its keys
 
     def on_masked(self, device: str, blob: bytes, n_samples: int, metrics: dict[str, float]) -> None:
         """A reassembled update blob of codec `secagg` from `device` (its meta checked by the engine)."""
@@ -265,9 +250,9 @@ class SecureRound:
         self._expected.discard(index)
 
     @staticmethod
-    def _refused_by_kernel(check: object, message: object) -> None:
+    def _refused_by_kernel(check: Callable[..., None], *message: object) -> None:
         try:
-            check(message)  # type: ignore[operator]
+            check(*message)
         except SecAggError as e:
             raise WireError("secagg", str(e)) from None
 
@@ -301,15 +286,16 @@ class SecureRound:
                         len(suspects & set(advertisers)), len(advertisers))
         self.weights = {d: registered[d] for d in self.roster}
         self.weight_scale = max(self.weights.values())
-        config = SecAggConfig.create(round=self.session, roster=self.roster, length=self.settings.length,
-                                     clip=self.clip + 6 * self.noise_std, degree=self.settings.degree,
-                                     graph_seed=secrets.randbits(32), groups=[len(g) for g in groups])
+        config = SecAggConfig.create(round=self.round, session=self.session, roster=self.roster,
+                                     length=self.settings.length, clip=self.clip + 6 * self.noise_std,
+                                     degree=self.settings.degree, graph_seed=secrets.randbits(32),
+                                     groups=[len(g) for g in groups])
         self.server = SecAggServer(config, self.settings.fleet, self.settings.root)
-        keys = self.server.neighbour_keys([replace(self.adverts[d], device=i) for i, d in enumerate(self.roster)])
-        spec = VectorSpec(self.weight_scale, self.clip, self.noise_std,
-                          "samples" if self.noise is None else "uniform", self.settings.tensors)
-        out = [Outgoing(topics.relay(self.roster[index]), self.wire.neighbours(config, neighbours, spec).encode())
-               for index, neighbours in keys.items()]
+        setups = self.server.neighbour_keys(
+            {i: self.adverts[d] for i, d in enumerate(self.roster)}, self.weight_scale, clip_norm=self.clip,
+            noise_std=self.noise_std, weights="samples" if self.noise is None else "uniform",
+            tensors=self.settings.tensors)
+        out = [Outgoing(topics.relay(self.roster[index]), setup.encode()) for index, setup in setups.items()]
         log.info("round %d: secure aggregation session %d: %d device(s) in %d group(s), k %d, t %d, %d-bit values",
                  self.round, self.session, config.devices, len(groups), config.degree, config.threshold,
                  config.value_bits)
@@ -329,7 +315,7 @@ class SecureRound:
                 return close(self.server, now, topics.relay, minimum)
         except SecAggError as e:  # too few inputs or signatures for the consistency check
             return self._fail(str(e))
-        self.result = self.server.aggregate(self._responses.values())
+        self.result = self.server.aggregate(self._responses)
         self.stage = Stage.DONE
         return []
 
@@ -337,20 +323,20 @@ class SecureRound:
                       minimum: int) -> list[Outgoing]:
         if len(self._bundles) < minimum:
             return self._fail(f"{len(self._bundles)} device(s) shared keys, fewer than {minimum}")
-        inbox = server.relay_shares(self._bundles.values())
-        out = [Outgoing(relay(self.roster[u]), self.wire.shares(m, upward=False).encode()) for u, m in inbox.items()]
+        inbox = server.relay_shares(self._bundles)
+        out = [Outgoing(relay(self.roster[u]), m.encode()) for u, m in inbox.items()]
         return self._next(Stage.RECEIVED, set(inbox), now, out)
 
     def _ask_masked(self, server: SecAggServer, now: float, relay: Callable[[str], str],
                     minimum: int) -> list[Outgoing]:
-        requests = server.mask_requests(self._reports.values())
+        requests = server.mask_requests(self._reports)
         self.reported = tuple(self.roster[u] for u in server.excluded)
         if self.reported:
             log.warning("round %d: secure aggregation session %d: left out %s, whose shares did not "
                         "authenticate at a neighbour", self.round, self.session, ", ".join(self.reported))
         if len(requests) < minimum:
             return self._fail(f"{len(requests)} device(s) may send a masked input, fewer than {minimum}")
-        out = [Outgoing(relay(self.roster[u]), self.wire.mask(m).encode()) for u, m in requests.items()]
+        out = [Outgoing(relay(self.roster[u]), m.encode()) for u, m in requests.items()]
         return self._next(Stage.MASKED, set(requests), now, out)
 
     def _ask_signatures(self, server: SecAggServer, now: float, relay: Callable[[str], str],
@@ -359,13 +345,13 @@ class SecureRound:
             return self._fail(f"{len(self._masked)} masked input(s), fewer than {minimum}")
         lists = server.survivor_lists(self._masked.values())
         self._masked.clear()  # summed by the server
-        out = [Outgoing(relay(self.roster[u]), self.wire.survivors(m).encode()) for u, m in lists.items()]
+        out = [Outgoing(relay(self.roster[u]), m.encode()) for u, m in lists.items()]
         return self._next(Stage.CONSISTENCY, set(lists), now, out)
 
     def _ask_unmask(self, server: SecAggServer, now: float, relay: Callable[[str], str],
                     minimum: int) -> list[Outgoing]:
-        requests = server.unmask_requests(self._signatures.values())
-        out = [Outgoing(relay(self.roster[u]), self.wire.unmask_request(m).encode()) for u, m in requests.items()]
+        requests = server.unmask_requests(self._signatures)
+        out = [Outgoing(relay(self.roster[u]), m.encode()) for u, m in requests.items()]
         return self._next(Stage.UNMASK, set(requests), now, out)
 
     def _next(self, stage: Stage, expected: set[int], now: float, out: list[Outgoing]) -> list[Outgoing]:
