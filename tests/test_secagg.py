@@ -315,6 +315,11 @@ def test_adverts_are_checked_against_the_fleet_root_by_the_server_and_the_neighb
     assert all(advert_problem(a, config.roster[u], FLEET, ROOT.public_key()) == "" for u, a in honest.items())
     with pytest.raises(ValueError, match="gives index 1"):  # a device only takes the index of its own name
         SecAggClient(config, 1, identity(config.roster[2]))
+    for unlike in (replace(setup, index=1), replace(setup, threshold=3), replace(setup, graph_seed=1)):
+        device = clients_for(config)[0]  # a setup other than the one the device runs: another index, t, graph
+        device.advertise()
+        with pytest.raises(SecAggError, match="unlike"):
+            device.share_keys(unlike)
 
 
 def test_a_device_whose_shares_do_not_authenticate_is_excluded_and_the_others_still_sum() -> None:
