@@ -78,9 +78,11 @@ class Terms:
 
 @dataclass(frozen=True)
 class Wait:
-    """The round goes on; `out`: messages to publish."""
+    """The round goes on; `out`: messages to publish; `commit`: the strategy's checkpoint changed and must be on
+    disk before they go out."""
 
     out: list[Outgoing] = field(default_factory=list)
+    commit: bool = False
 
 
 @dataclass(frozen=True)
