@@ -228,7 +228,7 @@ def check_secure_round(r: dict[str, Any], sent: Sent, models: dict[str, list[byt
             for name in model:
                 total[name] += nj * min(1.0, clip / norm) * delta[name]
         expected = {name: model[name] + total[name] / sum(n) for name in model}
-    bits = 32 - int(np.ceil(np.log2(max(2, r["secagg"]["devices"]))))
+    bits = 32 - int(np.ceil(np.log2(max(2, r["secagg"].get("devices", 2)))))  # none: a round released unchanged
     step = 2 * clip / (2**bits - 1)
     tolerance = ATOL + len(n) * step / 2 * max(n, default=1) / max(sum(n), 1)  # rounding of the n_j / s-scaled sums
     return problems + _released(k, expected, candidates, f"r{k} plus the weighted mean of its {len(n)} clipped "

@@ -494,7 +494,7 @@ def run_mode(mode: str, seconds: float, devices: int, out: Path, faulty: bool, a
             if not faulty:
                 continue
             kind = rng.choices(["coordinator_kill", "broker_restart", "devices_kill9", "agent_kill9", "clock_jump"],
-                               [3, 2, 1 if groups else 0, 1 if agents else 0, 1 if clock else 0])[0]
+                               [3, 2, 1 if groups else 0, 2 if agents else 0, 1 if clock else 0])[0]
             counts[kind] = counts.get(kind, 0) + 1
             log_fault(faults_path, kind)
             if kind == "coordinator_kill":

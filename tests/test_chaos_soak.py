@@ -253,6 +253,20 @@ def test_checker_finds_a_secure_release_other_than_the_clipped_mean(tmp_path: Pa
                for v in chaos_check.check(tmp_path)["violations"])
 
 
+def test_checker_passes_a_secure_round_released_unchanged_and_finds_one_that_moved(tmp_path: Path) -> None:
+    """A round resumed after its unmask requests went out is released without any update (`secagg.abandoned`):
+    r2 must be r1 itself."""
+    rng = np.random.default_rng(5)
+    r1 = {"base.w": rng.normal(size=(4, 8)).astype(np.float32)}
+    line = {"round": 1, "devices": [], "n_samples": 0, "secagg": {"abandoned": True, "excluded": []}}
+    for name, r2 in (("unchanged", r1), ("moved", {"base.w": r1["base.w"] + np.float32(0.01)})):
+        write_run(tmp_path / name, [], {"r1": r1, "r2": r2}, [line])
+        soak = json.loads((tmp_path / name / "soak.json").read_text())
+        (tmp_path / name / "soak.json").write_text(json.dumps({**soak, "clip_norm": 20.0}))
+    assert chaos_check.check(tmp_path / "unchanged")["violations"] == []
+    assert any("released model r2 is not r1" in v for v in chaos_check.check(tmp_path / "moved")["violations"])
+
+
 def test_checker_finds_an_agents_head_on_the_wire(tmp_path: Path) -> None:
     make_secure_round(tmp_path, leak_head=True)
     assert any("head tensor classifier.weight of agent-1" in v for v in chaos_check.check(tmp_path)["violations"])
