@@ -3,8 +3,11 @@ invariants; prints every violation and exits non-zero on any.
 
     python benchmarks/chaos_check.py RUN_FOLDER [RUN_FOLDER ...]
 
-Inputs: sent/*.safetensors (each device's own copy of every update it sent), heads/*.safetensors (each
-device's head, which must never leave it), capture.bin (every message the broker delivered to a client
+Inputs: sent/*.safetensors (each scripted device's own copy of every update it sent),
+agents/<name>/updates/r<k>.safetensors (each real agent's, `fedper-agent --keep-updates`: a safetensors file
+whose metadata "json" holds round and n_samples), heads/*.safetensors and agents/<name>/device.safetensors
+(each device's head, which must never leave it; an agent's: the tensors its metadata lists as "local"),
+capture.bin (every message the broker delivered to a client
 subscribed to `#`), state/metrics.jsonl (the coordinator's record of each round), soak.json (the state
 files that did not read after a kill). It reads safetensors and JSON with those libraries and does its own
 float64 arithmetic; it shares no code with the coordinator's aggregation (chunks are put together here).
@@ -12,7 +15,10 @@ float64 arithmetic; it shares no code with the coordinator's aggregation (chunks
 Checks, per synchronous round k in metrics.jsonl: its participants are distinct (each update folded once),
 each sent an update for round k (all its copies equal), n_samples is their sum, and the model released
 after it (blob r{k+1}, or `final`, as captured) equals sum(n_j u_j) / sum(n_j) in float64 within float32
-rounding. Also: no captured payload holds a head tensor's name or its bytes; no state file unreadable;
+rounding (each n_j capped at the weight_cap the round records). Secure rounds (a "secagg" record):
+r{k+1} = r{k} + sum(n_j clip_C(u_j - r{k})) / sum(n_j) within the quantization's error, C as soak.json
+records it. Async versions and central DP rounds: see their functions.
+Also: no captured payload holds a head tensor's name or its bytes; no state file unreadable;
 a round recorded twice with different participants is a violation.
 """
 
@@ -90,12 +96,13 @@ def _updates(r: dict[str, Any], sent: Sent, pairs: list[tuple[str, int]]) -> tup
     return [], [sent[p][0][0] for p in pairs], [sent[p][0][1] for p in pairs]
 
 
-def _released(k: int, expected: dict[str, np.ndarray], candidates: list[bytes], what: str) -> list[str]:
-    if any(all(np.allclose(load(blob)[name], value, rtol=0, atol=ATOL) for name, value in expected.items())
+def _released(k: int, expected: dict[str, np.ndarray], candidates: list[bytes], what: str,
+              atol: float = ATOL) -> list[str]:
+    if any(all(np.allclose(load(blob)[name], value, rtol=0, atol=atol) for name, value in expected.items())
            for blob in candidates):
         return []
     worst = max(float(np.max(np.abs(load(candidates[0])[name] - value))) for name, value in expected.items())
-    return [f"round {k}: released model r{k + 1} is not {what} (max error {worst:.3g})"]
+    return [f"round {k}: released model r{k + 1} is not {what} (max error {worst:.3g}, tolerance {atol:.3g})"]
 
 
 def check_mean_round(r: dict[str, Any], sent: Sent, models: dict[str, list[bytes]], candidates: list[bytes],
@@ -109,7 +116,8 @@ def check_mean_round(r: dict[str, Any], sent: Sent, models: dict[str, list[bytes
         problems.append(f"round {k}: n_samples {r['n_samples']} != {sum(n)}, the sum of its participants'")
     if not candidates:
         return problems, 0  # released while the capture was away (a broker restart): not checkable, not a violation
-    expected = {name: sum(nj * u[name].astype(np.float64) for nj, u in zip(n, updates, strict=True)) / sum(n)
+    weights = [min(nj, r.get("weight_cap") or float("inf")) for nj in n]
+    expected = {name: sum(w * u[name].astype(np.float64) for w, u in zip(weights, updates, strict=True)) / sum(weights)
                 for name in updates[0]}
     return problems + _released(k, expected, candidates, f"the weighted mean of its {len(n)} updates"), 1
 
@@ -195,6 +203,38 @@ def check_dp_round(r: dict[str, Any], sent: Sent, models: dict[str, list[bytes]]
     return problems + (best or []), 1
 
 
+def check_secure_round(r: dict[str, Any], sent: Sent, models: dict[str, list[bytes]], candidates: list[bytes],
+                       folded_in: dict[str, int], clip: float) -> tuple[list[str], int]:
+    """Secure round k (SecAgg+): the coordinator never sees an update, only the sum of the devices' clipped,
+    n_j-scaled and quantized deltas, so r{k+1} = r{k} + sum(n_j clip_C(u_j - r{k})) / sum(n_j) over the listed
+    devices (clip_C: scaled to L2 norm C at most over all shared tensors), within the quantization's error:
+    each device rounds each value to a step of 2C / (2^b - 1), b = 32 - ceil(log2(devices in the session))."""
+    k = r["round"]
+    problems, n, updates = _updates(r, sent, [(d, k) for d in r["devices"]])
+    if problems:
+        return problems, 0
+    if sum(n) != r["n_samples"]:
+        problems.append(f"round {k}: n_samples {r['n_samples']} != {sum(n)}, the sum of its participants'")
+    start = models.get(f"r{k}", [])
+    if not candidates or not start:
+        return problems, 0
+    model = {name: value.astype(np.float64) for name, value in load(start[0]).items()}
+    expected = dict(model)
+    if n:
+        total = {name: np.zeros_like(value) for name, value in model.items()}
+        for nj, u in zip(n, updates, strict=True):
+            delta = {name: u[name].astype(np.float64) - model[name] for name in model}
+            norm = np.sqrt(sum(float(np.sum(v * v)) for v in delta.values()))
+            for name in model:
+                total[name] += nj * min(1.0, clip / norm) * delta[name]
+        expected = {name: model[name] + total[name] / sum(n) for name in model}
+    bits = 32 - int(np.ceil(np.log2(max(2, r["secagg"].get("devices", 2)))))  # none: a round released unchanged
+    step = 2 * clip / (2**bits - 1)
+    tolerance = ATOL + len(n) * step / 2 * max(n, default=1) / max(sum(n), 1)  # rounding of the n_j / s-scaled sums
+    return problems + _released(k, expected, candidates, f"r{k} plus the weighted mean of its {len(n)} clipped "
+                                                         "deltas", tolerance), 1
+
+
 def check(folder: Path) -> dict[str, Any]:
     """All violations in one run folder, and its figures."""
     violations: list[str] = []
@@ -203,10 +243,17 @@ def check(folder: Path) -> dict[str, Any]:
     violations += [f"liveness: {c}" for c in soak["crashes"]]
     sent: Sent = defaultdict(list)
     for path in (folder / "sent").glob("*.safetensors"):
-        with open(path, "rb") as f:
-            raw = f.read()
-        meta = json.loads(raw[8:8 + struct.unpack_from("<Q", raw)[0]])["__metadata__"]
+        raw, meta = _read_with_metadata(path)
         sent[(meta["device"], int(meta["round"]))].append((int(meta["n_samples"]), load(raw)))
+    heads = {path.stem: load_file(str(path)) for path in (folder / "heads").glob("*.safetensors")}
+    for path in (folder / "agents").glob("*/updates/*.safetensors"):  # a real agent's --keep-updates copies
+        raw, meta = _read_with_metadata(path)
+        kept = json.loads(meta["json"])
+        sent[(path.parent.parent.name, int(kept["round"]))].append((int(kept["n_samples"]), load(raw)))
+    for path in (folder / "agents").glob("*/device.safetensors"):  # a real agent's checkpoint: its head in it
+        raw, meta = _read_with_metadata(path)
+        tensors = load(raw)
+        heads[path.parent.name] = {name: tensors[name] for name in json.loads(meta["json"])["local"]}
     for (device, k), copies in sent.items():
         first = copies[0]
         if any(c[0] != first[0] or any(not np.array_equal(c[1][n], first[1][n]) for n in first[1]) for c in copies):
@@ -228,11 +275,13 @@ def check(folder: Path) -> dict[str, Any]:
         if len(set(devices)) != len(devices):
             violations.append(f"round {k}: an update folded twice: {devices}")
         candidates = models.get(f"r{k + 1}", []) + (models.get("final", []) if r is records[-1] else [])
-        rule = check_version if "buffer" in r else check_dp_round if "dp" in r else check_mean_round
-        problems, checked = rule(r, sent, models, candidates, folded_in)
+        if "secagg" in r:
+            problems, checked = check_secure_round(r, sent, models, candidates, folded_in, soak["clip_norm"])
+        else:
+            rule = check_version if "buffer" in r else check_dp_round if "dp" in r else check_mean_round
+            problems, checked = rule(r, sent, models, candidates, folded_in)
         violations += problems
         verified += checked
-    heads = {path.stem: load_file(str(path)) for path in (folder / "heads").glob("*.safetensors")}
     for topic, payload in messages:
         for device, tensors in heads.items():
             for name, value in tensors.items():
@@ -241,6 +290,12 @@ def check(folder: Path) -> dict[str, Any]:
     return {"violations": violations, "rounds": len(by_round), "verified": verified,
             "seconds": soak["seconds"], "faults": soak["faults"],
             "updates_folded": sum(len(r["devices"]) for r in by_round.values())}
+
+
+def _read_with_metadata(path: Path) -> tuple[bytes, dict[str, str]]:
+    """A safetensors file's bytes and its string metadata (the header's __metadata__)."""
+    raw = path.read_bytes()
+    return raw, json.loads(raw[8:8 + struct.unpack_from("<Q", raw)[0]]).get("__metadata__", {})
 
 
 def summary(mode: str, faults: dict[str, Any], calm: dict[str, Any]) -> str:

@@ -13,15 +13,19 @@ makes ~20 % of the devices leave and rejoin, some of them dropping their socket 
 upload; and every seventh device talks through its own TCP proxy, which at times holds every byte for
 3-12 s or resets its connections. Each fault is a line of faults.jsonl with its time.
 
-The devices are scripted (fleet_scale.py's minimal MQTT client): invited, a device sends random float32
+Most devices are scripted (fleet_scale.py's minimal MQTT client): invited, a device sends random float32
 tensors for the shared layers, seeded by (device, round), and first writes its own copy of them (a
 safetensors file per update, with n_samples and round in its metadata) under sent/; its head tensor, which
-must never leave it, goes to heads/. A capture client subscribed to `#` writes every message it sees to
-capture.bin (reconnecting after each broker restart).
+must never leave it, goes to heads/. A few are real agents (`fedper-agent` processes on real digits and a
+real export, MobileNet-v1 at width 1/16, --keep-updates: each keeps its own copy of every round's update in
+its state directory, agents/<name>/updates/); the nemesis kills them with SIGKILL too (every state file of
+theirs must read afterwards), and half of them talk through a cut-prone proxy. A capture client
+subscribed to `#` writes every message it sees to capture.bin (reconnecting after each broker restart).
 
-Modes: sync (rounds with selection), async (FedBuff versions, K = 4 of 8 training) and dp (sync rounds
-with central DP, z = 0.1 so that the checker sees one update above the noise). Left out (see
-docs/reliability.md): secure aggregation; real agents in the fleet.
+Modes: sync (rounds with selection; 2 real agents among the scripted devices), async (FedBuff versions,
+K = 4 of 8 training), dp (sync rounds with central DP, z = 0.1 so that the checker sees one update above
+the noise) and secure (--secure-aggregation: SecAgg+ is the agents' protocol, so the fleet is 6 real agents
+and no scripted device).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import struct
 import subprocess
@@ -43,12 +48,16 @@ from typing import Any
 
 import fleet_scale
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from fleet_scale import MiniMqtt, manifest_of, start_mosquitto
-from helpers.toy_export import write_toy_export  # fleet_scale put tests/ on the path
+from helpers.identities import write_identity, write_root  # fleet_scale put tests/ on the path
+from helpers.processes import CLASSES, agent_args, write_device_data
+from helpers.toy_export import write_toy_export
 from safetensors.numpy import save_file
 
+from fedper.artifacts import BASE_FILE
 from fedper.manifest import Manifest
-from fedper.payload import encode_shared
+from fedper.payload import decode_shared, encode_shared
 from fedper.ports import free_port
 from fedper.wire import Invitation, Register, RoundInfo, Topics, UpdateMeta, chunk
 
@@ -59,21 +68,33 @@ FAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1"  # Debian's f
 GROUP = 4  # scripted devices per process: a SIGKILL takes a group
 CHUNK = 4096  # several chunks per update, so an upload can break halfway
 SYNC = ("--clients-per-round", "6", "--over-select", "1.3", "--min-clients", "3", "--round-timeout", "4")
-MODES = {  # the coordinator's options per mode; secure aggregation: not yet (docs/reliability.md, "Chaos soak")
+SECURE_CLIP = 20.0  # --clip-norm under secure aggregation (recorded in soak.json for the checker)
+MODES = {  # the coordinator's options per mode
     "sync": SYNC,
     "async": ("--mode", "async", "--clients-per-round", "8", "--buffer-size", "4", "--max-staleness", "6",
               "--round-timeout", "4"),
     # z small on purpose: the checker must see one update's clipped delta (C / m) above the noise (z C / m)
     "dp": (*SYNC, "--clip-norm", "5", "--dp-noise-multiplier", "0.1"),
+    # a fleet of 6 halves its suspects into groups of 3: --secagg-min-group 4 could never split it
+    "secure": ("--clients-per-round", "6", "--min-clients", "3", "--round-timeout", "10", "--secure-aggregation",
+               "--clip-norm", str(SECURE_CLIP), "--secagg-stage-timeout", "3", "--secagg-min-group", "2"),
 }
+AGENTS = {"sync": 2, "secure": 6}  # real fedper-agent processes per mode, beside the scripted devices
+AGENT_WIDTH = 0.0625  # MobileNet-v1 at its narrowest (every layer at 8 channels): 18,264 shared floats
+SCRIPTED_SPREAD = 0.01  # beside real agents a scripted update is the export's base + this x N(0, 1): trainable
 
 
-def update_of(manifest: Manifest, device: str, round_: int) -> tuple[int, dict[str, np.ndarray]]:
-    """What `device` sends for `round_`: (n_samples, shared tensors), the same on every resend."""
+def update_of(manifest: Manifest, device: str, round_: int, base: dict[str, np.ndarray] | None = None
+              ) -> tuple[int, dict[str, np.ndarray]]:
+    """What `device` sends for `round_`: (n_samples, shared tensors), the same on every resend: N(0, 1) values,
+    or beside real agents `base` + SCRIPTED_SPREAD x N(0, 1) (a model they can still train)."""
     index = int(device.removeprefix("dev-"))
     rng = np.random.default_rng([index, round_])
     n = samples_of(index)
-    return n, {t.name: rng.normal(size=t.shape).astype(np.float32) for t in manifest.shared_tensors}
+    noise = {t.name: rng.normal(size=t.shape).astype(np.float32) for t in manifest.shared_tensors}
+    if base is None:
+        return n, noise
+    return n, {name: base[name] + np.float32(SCRIPTED_SPREAD) * value for name, value in noise.items()}
 
 
 def samples_of(index: int) -> int:
@@ -106,8 +127,8 @@ class Blackhole:
         self.writers: set[asyncio.StreamWriter] = set()
         self.server: asyncio.base_events.Server | None = None
 
-    async def start(self) -> int:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+    async def start(self, listen: int = 0) -> int:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", listen)
         return self.server.sockets[0].getsockname()[1]
 
     def cut(self, seconds: float) -> None:
@@ -142,20 +163,21 @@ class Blackhole:
         self.writers -= {writer, up_writer}
 
 
-async def device_life(index: int, port: int, out: Path, faulty: bool, stop: asyncio.Event) -> None:
+async def device_life(index: int, port: int, out: Path, faulty: bool, base: dict[str, np.ndarray] | None,
+                      stop: asyncio.Event) -> None:
     """Connect, register, answer invitations; reconnect after the broker goes; leave and rejoin at times;
     some devices (every seventh) talk through a proxy whose network the nemesis cuts for 3-12 s at times."""
     if faulty and index % 7 == 3:
         proxy = Blackhole(port)
         port = await proxy.start()
         asyncio.create_task(cut_network(proxy, out, f"dev-{index:03d}", stop))  # noqa: RUF006 (lives as long)
-    manifest, name = manifest_of(FLOATS), f"dev-{index:03d}"
+    manifest, name = Manifest.load(out / "export"), f"dev-{index:03d}"
     head = {t.name: np.random.default_rng(index).normal(size=t.shape).astype(np.float32)
             for t in manifest.tensors if not t.shared}
     save_atomic(head, out / "heads" / f"{name}.safetensors")
     rng = random.Random(index)
     while not stop.is_set():
-        left = await connection(Device(index, name, manifest, out, faulty, rng), port, stop)
+        left = await connection(Device(index, name, manifest, out, faulty, rng, base), port, stop)
         if not stop.is_set():
             await asyncio.sleep(rng.uniform(0.5, 3.0) if left else 0.3)
 
@@ -181,6 +203,7 @@ class Device:
     out: Path
     faulty: bool
     rng: random.Random
+    base: dict[str, np.ndarray] | None  # beside real agents: the export's base, which scripted updates stay near
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
 
@@ -193,7 +216,7 @@ async def connection(device: Device, port: int, stop: asyncio.Event) -> bool:
 
     async def answer(round_: int) -> None:
         await asyncio.sleep(rng.uniform(0.1, 1.0))
-        n, tensors = update_of(manifest, name, round_)
+        n, tensors = update_of(manifest, name, round_, device.base)
         path = device.out / "sent" / f"{name}-r{round_}-{time.time_ns()}.safetensors"
         save_atomic(tensors, path, {"n_samples": str(n), "round": str(round_), "device": name})
         frames = chunk(encode_shared(manifest, tensors), CHUNK, f"r{round_}-{name}",
@@ -252,12 +275,79 @@ def _quiet(ack: asyncio.Future[None] | None) -> None:
         ack.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
-def devices_main(indices: list[int], port: int, out: str, faulty: bool) -> None:
+def devices_main(indices: list[int], port: int, out: str, faulty: bool, beside_agents: bool) -> None:
     """One process for a group of scripted devices (so that SIGKILL takes a few at once); SIGTERM ends it."""
+    export = Path(out) / "export"
+    base = decode_shared(Manifest.load(export), (export / BASE_FILE).read_bytes()) if beside_agents else None
+
     async def run() -> None:
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-        await asyncio.gather(*(device_life(i, port, Path(out), faulty, stop) for i in indices))
+        await asyncio.gather(*(device_life(i, port, Path(out), faulty, base, stop) for i in indices))
+
+    asyncio.run(run())
+
+
+# ------------------------------------------------------------ the real agents
+
+
+def export_for_agents(folder: str) -> None:
+    """A real export the agents train (fedper-export's code), made once per soak (in a process of its own, while
+    the modes without agents run) and copied into each run."""
+    if not (Path(folder) / "manifest.json").exists():
+        from fedper.export.exporter import export_artifacts
+
+        export_artifacts(Path(folder), model="mobilenet_v1", kp=1, num_classes=len(CLASSES), input_size=32,
+                         width=AGENT_WIDTH, classes=CLASSES)
+
+
+def prepare_agents(out: Path, count: int, secure: bool) -> list[str]:
+    """Each agent's real digits (two classes, 20 images: 16 train) and, under secure aggregation, its identity
+    certified by the run's fleet root (whose public key the coordinator gets: out/fleet-root.pub)."""
+    names = [f"agent-{j}" for j in range(count)]
+    (out / "agents").mkdir(parents=True, exist_ok=True)
+    root = Ed25519PrivateKey.generate()
+    write_root(out / "fleet-root.pub", root)
+    for j, name in enumerate(names):
+        write_device_data(out / "agents" / f"{name}.npz", (j % 4, (j + 1) % 4), 20)
+        if secure:
+            write_identity(out / "agents" / f"{name}-identity", root, FLEET, name)
+    return names
+
+
+def start_agent(out: Path, name: str, port: int, secure: bool) -> subprocess.Popen[bytes]:
+    """`fedper-agent` on the run's export, resuming from its state directory; its log in agents/<name>.log."""
+    agents = out / "agents"
+    extra = ["--secure-aggregation", "--identity", str(agents / f"{name}-identity")] if secure else []
+    with open(agents / f"{name}.log", "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, *agent_args(out / "export", agents / f"{name}.npz", f"mqtt://127.0.0.1:{port}", FLEET,
+                                         name, agents / name, "--backend", "ort", "--chunk-size", str(4 * CHUNK),
+                                         "--reconnect-spread", "2", "--keep-updates", *extra)],
+            stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_connected(out: Path, names: list[str], timeout: float = 120.0) -> None:
+    """Until every agent's log says it connected to the broker, or `timeout` seconds (said, and the run goes on)."""
+    deadline = time.monotonic() + timeout
+    while not all("\nconnected\n" in (out / "agents" / f"{name}.log").read_text(errors="replace") for name in names):
+        if time.monotonic() > deadline:
+            print(f"the agents did not all connect within {timeout:.0f} s (see {out / 'agents'}/*.log): going on")
+            return
+        time.sleep(0.5)
+
+
+def proxies_main(agents: list[tuple[str, int]], port: int, out: str) -> None:
+    """The networks of some agents: for each (name, port it connects to), a Blackhole proxy to the broker on that
+    port, held or reset at times."""
+    async def run() -> None:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        for name, listen in agents:
+            proxy = Blackhole(port)
+            await proxy.start(listen)
+            asyncio.create_task(cut_network(proxy, Path(out), name, stop))  # noqa: RUF006 (lives as long)
+        await stop.wait()
 
     asyncio.run(run())
 
@@ -312,11 +402,13 @@ def start_coordinator(out: Path, port: int, mode_args: tuple[str, ...], clock: b
 
 
 def state_readable(state_dir: Path) -> list[str]:
-    """Problems with the state directory right after a kill: every JSON must parse, every tensor file load."""
+    """Problems with a state directory right after a kill: every JSON must parse, every tensor file load, every
+    ONNX model parse (the agents' personal.onnx), in it and its subfolders."""
+    import onnx
     from safetensors.numpy import load_file
 
     problems = []
-    for path in sorted(state_dir.glob("*")):
+    for path in sorted(p for p in state_dir.rglob("*") if p.is_file()):
         try:
             if path.suffix == ".json":
                 json.loads(path.read_text())
@@ -326,17 +418,19 @@ def state_readable(state_dir: Path) -> list[str]:
                     json.loads(line)
             elif path.suffix == ".safetensors":
                 load_file(str(path))
+            elif path.suffix == ".onnx":
+                onnx.load_model(str(path), load_external_data=False)
         except Exception as error:  # any failure to read is the finding
-            problems.append(f"{path.name}: {type(error).__name__}: {error}")
+            problems.append(f"{path.relative_to(state_dir.parent)}: {type(error).__name__}: {error}")
     return problems
 
 
-def uploading(out: Path, group: list[int]) -> list[str]:
-    """The group's devices that wrote their copy of an update within the last second: likely mid-upload."""
-    names = {f"dev-{i:03d}" for i in group}
+def uploading(out: Path, names: list[str]) -> list[str]:
+    """Those of `names` that wrote their copy of an update within the last second: likely mid-upload."""
     recent = time.time() - 1.0
-    return sorted({p.name.rsplit("-r", 1)[0] for p in (out / "sent").glob("*.safetensors")
-                   if p.name.rsplit("-r", 1)[0] in names and p.stat().st_mtime > recent})
+    copies = [*(out / "sent").glob("*.safetensors"), *(out / "agents").glob("*/updates/*.safetensors")]
+    return sorted({name for p in copies for name in names
+                   if (p.parent.parent.name == name or p.name.startswith(f"{name}-r")) and p.stat().st_mtime > recent})
 
 
 def spawn(target: str, *args: Any) -> subprocess.Popen[bytes]:
@@ -345,23 +439,41 @@ def spawn(target: str, *args: Any) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", code])
 
 
-def run_mode(mode: str, seconds: float, devices: int, out: Path, faulty: bool) -> dict[str, Any]:
-    """One run of `mode` for `seconds`; returns what the nemesis did. Everything else is on disk under `out`."""
+def run_mode(mode: str, seconds: float, devices: int, out: Path, faulty: bool, agent_export: Path | None = None,
+             wait_for_agents: bool = True) -> dict[str, Any]:
+    """One run of `mode` for `seconds`; returns what the nemesis did. Everything else is on disk under `out`.
+    `agent_export`: the real export of the modes with agents (AGENTS), copied into the run; `wait_for_agents`:
+    the run's time starts once they are connected (else they join when they are up)."""
     for sub in ("sent", "heads", "state"):
         (out / sub).mkdir(parents=True, exist_ok=True)
-    manifest = manifest_of(FLOATS)
-    write_toy_export(out / "export", manifest, {t.name: np.zeros(t.shape, np.float32) for t in manifest.tensors
-                                                 if t.shared})
+    agent_count = AGENTS.get(mode, 0)
+    secure = mode == "secure"
+    devices = 0 if secure else devices  # scripted devices do not speak SecAgg+
+    if agent_count:
+        assert agent_export is not None
+        shutil.copytree(agent_export, out / "export", dirs_exist_ok=True)
+    else:
+        manifest = manifest_of(FLOATS)
+        write_toy_export(out / "export", manifest, {t.name: np.zeros(t.shape, np.float32) for t in manifest.tensors
+                                                     if t.shared})
+    mode_args = (*MODES[mode], "--secagg-identity-root", str(out / "fleet-root.pub")) if secure else MODES[mode]
+    agents = prepare_agents(out, agent_count, secure)
     port = free_port()
     broker = start_mosquitto(out, port)
     capture = spawn("capture_main", port, str(out))
     groups = [list(range(i, min(i + GROUP, devices))) for i in range(0, devices, GROUP)]
-    fleet = [spawn("devices_main", group, port, str(out), faulty) for group in groups]
+    fleet = [spawn("devices_main", group, port, str(out), faulty, bool(agent_count)) for group in groups]
+    agent_ports = {name: free_port() if faulty and j % 2 == 0 else port for j, name in enumerate(agents)}
+    proxied = [(name, p) for name, p in agent_ports.items() if p != port]
+    proxies = [spawn("proxies_main", proxied, port, str(out))] if proxied else []
+    agent_procs = {name: start_agent(out, name, agent_ports[name], secure) for name in agents}
+    if wait_for_agents:  # an agent takes 10-30 s to start here (onnxruntime imports torch): the run starts with it
+        wait_connected(out, agents)
     clock = faulty and Path(FAKETIME).exists()
     if faulty and not clock:
         print(f"no clock jumps: {FAKETIME} missing (make faketime, or apt-get install faketime)")
     (out / "clock").write_text("+0\n")
-    coordinator = start_coordinator(out, port, MODES[mode], clock)
+    coordinator = start_coordinator(out, port, mode_args, clock)
     faults_path, rng = out / "faults.jsonl", random.Random(f"nemesis-{mode}")
     counts: dict[str, int] = {}
     unreadable: list[str] = []
@@ -373,11 +485,16 @@ def run_mode(mode: str, seconds: float, devices: int, out: Path, faulty: bool) -
             if coordinator.poll() is not None:  # it died without the nemesis: a finding
                 crashes.append(f"coordinator exited {coordinator.returncode} on its own")
                 log_fault(faults_path, "coordinator_crash", code=coordinator.returncode)
-                coordinator = start_coordinator(out, port, MODES[mode], clock)
+                coordinator = start_coordinator(out, port, mode_args, clock)
+            for name, proc in agent_procs.items():
+                if proc.poll() is not None:  # an agent that stops on its own: a finding too
+                    crashes.append(f"{name} exited {proc.returncode} on its own")
+                    log_fault(faults_path, "agent_crash", device=name, code=proc.returncode)
+                    agent_procs[name] = start_agent(out, name, agent_ports[name], secure)
             if not faulty:
                 continue
-            kind = rng.choices(["coordinator_kill", "broker_restart", "devices_kill9", "clock_jump"],
-                               [3, 2, 1, 1 if clock else 0])[0]
+            kind = rng.choices(["coordinator_kill", "broker_restart", "devices_kill9", "agent_kill9", "clock_jump"],
+                               [3, 2, 1 if groups else 0, 2 if agents else 0, 1 if clock else 0])[0]
             counts[kind] = counts.get(kind, 0) + 1
             log_fault(faults_path, kind)
             if kind == "coordinator_kill":
@@ -385,7 +502,7 @@ def run_mode(mode: str, seconds: float, devices: int, out: Path, faulty: bool) -
                 coordinator.wait()
                 unreadable += state_readable(out / "state")
                 time.sleep(rng.uniform(0.0, 1.0))
-                coordinator = start_coordinator(out, port, MODES[mode], clock)
+                coordinator = start_coordinator(out, port, mode_args, clock)
             elif kind == "clock_jump":  # the new offset from true time: forward or back by up to a minute
                 offset = rng.randint(-60, 60)
                 (out / "clock").write_text(f"{offset:+d}s\n")
@@ -394,9 +511,18 @@ def run_mode(mode: str, seconds: float, devices: int, out: Path, faulty: bool) -
                 g = rng.randrange(len(groups))
                 fleet[g].send_signal(signal.SIGKILL)
                 fleet[g].wait()
-                log_fault(faults_path, "devices_killed", devices=groups[g], uploading=uploading(out, groups[g]))
+                log_fault(faults_path, "devices_killed", devices=groups[g],
+                          uploading=uploading(out, [f"dev-{i:03d}" for i in groups[g]]))
                 time.sleep(rng.uniform(0.5, 2.0))
-                fleet[g] = spawn("devices_main", groups[g], port, str(out), faulty)
+                fleet[g] = spawn("devices_main", groups[g], port, str(out), faulty, bool(agent_count))
+            elif kind == "agent_kill9":
+                name = rng.choice(agents)
+                agent_procs[name].send_signal(signal.SIGKILL)
+                agent_procs[name].wait()
+                log_fault(faults_path, "devices_killed", devices=[name], uploading=uploading(out, [name]))
+                unreadable += state_readable(out / "agents" / name)
+                time.sleep(rng.uniform(0.5, 2.0))
+                agent_procs[name] = start_agent(out, name, agent_ports[name], secure)
             else:
                 broker.terminate()
                 broker.wait(10)
@@ -406,7 +532,12 @@ def run_mode(mode: str, seconds: float, devices: int, out: Path, faulty: bool) -
         coordinator.send_signal(signal.SIGKILL)
         coordinator.wait()
         unreadable += state_readable(out / "state")
-        for proc in (*fleet, capture):
+        for proc in agent_procs.values():
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        for name in agents:
+            unreadable += state_readable(out / "agents" / name)
+        for proc in (*fleet, *proxies, capture):
             proc.terminate()
             proc.wait(20)
         broker.terminate()
@@ -414,12 +545,12 @@ def run_mode(mode: str, seconds: float, devices: int, out: Path, faulty: bool) -
     for line in faults_path.read_text().splitlines() if faults_path.exists() else []:
         fault = json.loads(line)
         kind = fault["kind"]
-        if kind.startswith("device_") or kind in ("coordinator_crash", "network_cut", "network_reset"):
+        if kind.startswith("device_") or kind in ("coordinator_crash", "agent_crash", "network_cut", "network_reset"):
             counts[kind] = counts.get(kind, 0) + 1
         if kind == "devices_killed":
             counts["devices_killed_mid_upload"] = counts.get("devices_killed_mid_upload", 0) + len(fault["uploading"])
     summary = {"mode": mode, "seconds": seconds, "faulty": faulty, "faults": counts, "unreadable_state": unreadable,
-               "crashes": crashes}
+               "crashes": crashes, "agents": agents, "clip_norm": SECURE_CLIP if secure else None}
     (out / "soak.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -429,24 +560,31 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=30.0, help="run time per mode under faults (default 30)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated modes among {', '.join(MODES)} "
                         "(default: all)")
-    parser.add_argument("--devices", type=int, default=24, help="scripted devices (default 24)")
+    parser.add_argument("--devices", type=int, default=24, help="scripted devices (default 24; the real agents, "
+                        f"{', '.join(f'{n} in {m}' for m, n in AGENTS.items())}, come on top; secure has none)")
     parser.add_argument("--out", type=Path, default=Path("runs/chaos"), help="folder for logs, captures, results")
     parser.add_argument("--quick", action="store_true",
-                        help="sync and async, 30 s calm + 30 s under faults each, 12 devices (make test's form)")
+                        help="async and sync, 30 s calm + 30 s under faults each, 12 devices, the agents joining "
+                             "when they are up (make test's form)")
     args = parser.parse_args()
-    minutes, devices, modes = (0.5, 12, ["sync", "async"]) if args.quick else (args.minutes, args.devices,
+    minutes, devices, modes = (0.5, 12, ["async", "sync"]) if args.quick else (args.minutes, args.devices,
                                                                        args.modes.split(","))
     unknown = set(modes) - set(MODES)
     if unknown:
-        parser.error(f"--modes: {', '.join(sorted(unknown))} not in the soak yet (it runs: {', '.join(MODES)})")
+        parser.error(f"--modes: {', '.join(sorted(unknown))} not in the soak (it runs: {', '.join(MODES)})")
     import chaos_check
+
+    agent_export = args.out / "agent-export"
+    exporter = spawn("export_for_agents", str(agent_export)) if set(modes) & set(AGENTS) else None
 
     failed = False
     for mode in modes:
         results = {}
+        if mode in AGENTS and exporter is not None and exporter.wait() != 0:
+            sys.exit(f"the agents' export failed (exit {exporter.returncode})")
         for faulty in (False, True):
             folder = args.out / f"{mode}-{'faults' if faulty else 'calm'}"
-            run_mode(mode, minutes * 60, devices, folder, faulty)
+            run_mode(mode, minutes * 60, devices, folder, faulty, agent_export, not args.quick)
             results[faulty] = chaos_check.check(folder)
         report = chaos_check.summary(mode, results[True], results[False])
         print(report)

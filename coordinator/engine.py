@@ -34,7 +34,7 @@ from fedper.coordinator.rounds import Phase
 from fedper.coordinator.store import Folded as Contribution
 from fedper.coordinator.store import Registration, RoundRecord
 from fedper.coordinator.strategies import strategy_for
-from fedper.coordinator.strategies.base import Folded
+from fedper.coordinator.strategies.base import Folded, Ready
 from fedper.manifest import Manifest
 from fedper.payload import decode_shared, encode_shared
 from fedper.selection import Backoff
@@ -68,6 +68,7 @@ class RoundEngine(RoundMachine):
         self._published: dict[str, Any] | None = None  # the last state message (its time aside)
         self._last_state = self._last_top_up = self._next_registry_commit = self._paced_at = -1e18
         self._model_file = ""  # the open round's model file; "" until the first start writes it
+        self._ready_at_start = False  # resumed with the open round ready to release (Opened.ready)
         if saved is not None:
             self._resume(saved)
         else:
@@ -87,6 +88,10 @@ class RoundEngine(RoundMachine):
         if fresh or selecting or self._registry.dirty:  # dirty here: a registry migrated out of state.json
             self._commit(registry=True)
         self._opened_at, self._deadline = now, now + self.rounds.round_timeout
+        if self._ready_at_start:  # released before any update can fold into the record of a round already full
+            self._ready_at_start = False
+            out = self._settle(Ready(), now)
+            return [*self.outbox.drain(), *out]
         return [*self.outbox.drain(), *self.announce(now)]
 
     def _resume(self, loaded: Saved) -> None:
@@ -104,7 +109,8 @@ class RoundEngine(RoundMachine):
         self.outbox.trim_metrics(self.round.number if self.finished else self.round.number - 1)  # closed rounds'
         if not self.selecting:  # the open round keeps its invitations only when still selecting
             self.round.selected, self.round.invited, self.round.invite_cap, self.round.carried = False, set(), 0, {}
-        stopped = self._open_strategy(saved.strategy).stopped
+        opened = self._open_strategy(saved.strategy)
+        stopped, self._ready_at_start = opened.stopped, opened.ready and not self.finished
         resumed, finished = self.round, self.finished
         reopened = finished and self.rounds.rounds > resumed.number and not stopped
         if reopened:  # more rounds than it ran: the next opens over the final model

@@ -21,7 +21,7 @@ from fedper.coordinator.records import log_closed, round_record
 from fedper.coordinator.registry import Registry
 from fedper.coordinator.rounds import TRANSITIONS, Event, Phase, Step, closing_event
 from fedper.coordinator.store import BACKOFF_PREFIX, FINAL_FILE, CoordinatorState, RoundRecord
-from fedper.coordinator.strategies.base import Opened, Ready, Retry, Strategy, Verdict
+from fedper.coordinator.strategies.base import Opened, Ready, Retry, Strategy, Verdict, Wait
 from fedper.manifest import Manifest
 from fedper.wire import Outgoing, Topics
 
@@ -111,6 +111,8 @@ class RoundMachine:
         """Act on the strategy's verdict (after an update, a message of its own, or its close): its messages, then
         READY or FAILED's row of the table (Wait moves nothing)."""
         event = Event.READY if isinstance(verdict, Ready) else Event.FAILED if isinstance(verdict, Retry) else None
+        if isinstance(verdict, Wait) and verdict.commit:
+            self._commit()
         return verdict.out + self._step(event, now)
 
     def _close(self, now: float) -> list[Outgoing]:

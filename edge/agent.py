@@ -76,6 +76,7 @@ class AgentConfig:
     reconnect_spread_s: float = 30.0  # after losing the broker, reconnect within this window (fedper.mqtt.Backoff)
     secure_aggregation: bool = False  # never send the update in the clear: only under a SecAgg+ session
     identity: Path | None = None  # secure aggregation: the device's identity directory (deploy/provision-identity.sh)
+    keep_updates: bool = False  # also keep every round's update under state_dir/updates/ (audits: the chaos soak)
 
 
 @dataclass(frozen=True)
@@ -271,6 +272,8 @@ class Agent:
             update=self.backend.read(self.manifest.names(shared=True)), metrics=metrics,
         )
         self.state.save(saved)
+        if c.keep_updates:
+            self.state.keep_update(saved)
         self._serve(served, round_, accuracy)
         self.log(f"round {round_}: served accuracy {accuracy:.4f} ({self.chance}; test loss {test_loss:.4f}); trained "
                  f"{samples} samples in {seconds:.1f} s ({samples / max(seconds, 1e-9):.0f} samples/s), "

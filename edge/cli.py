@@ -71,6 +71,11 @@ def run(
     reconnect_spread: float = typer.Option(30.0, min=0.0, help="After losing the broker, reconnect at a random "
                                            "moment within this many seconds, so a fleet does not come back at "
                                            "once; then full-jitter backoff up to 60 s."),
+    keep_updates: bool = typer.Option(
+        False, help="Also keep a copy of every round's update (the shared tensors this device trained and sent, "
+                    "before any clipping, masking or compression) as STATE_DIR/updates/r<round>.safetensors, for an "
+                    "audit of what the coordinator released (benchmarks/chaos_check.py reads them). They stay on "
+                    "the device, private as its head; without the flag only the last round's is kept."),
     skip_unreadable_images: bool = typer.Option(
         False, help="Leave out the image files in --data that cannot be decoded (counted and named at start) "
                     "instead of stopping at the first one."),
@@ -103,7 +108,7 @@ def run(
         seed=seed, username=username, password=password, tls_ca=str(tls_ca) if tls_ca else None,
         mqtt_version=mqtt_version, chunk_size=chunk_size, compression=compression, only_when=tuple(only_when),
         recheck_s=recheck_seconds, reconnect_spread_s=reconnect_spread, secure_aggregation=secure_aggregation,
-        identity=identity,
+        identity=identity, keep_updates=keep_updates,
     )
     try:
         _check_data(data)  # before the backend's line: a wrong path is answered in one line

@@ -6,6 +6,8 @@
     device.safetensors  a checkpoint (fedper.checkpoint) of the last completed round: the head (and its
                         BatchNorm statistics) and the update sent, with round, base_digest, n_samples,
                         metrics and the local tensors' names in its JSON metadata
+    updates/r<k>.safetensors  with --keep-updates only: round k's update as sent (before clipping, masking or
+                        compression), with round, base_digest and n_samples, for audits (benchmarks/chaos_check.py)
     final.json          after the last round: the accuracy and loss of the model the device serves
     served.safetensors  that model: the final base and the device's head (FedBABU: fine-tuned)
     personal.onnx, personal.json  the model served in the last round (after the last: the final one) as an
@@ -40,6 +42,7 @@ SPLIT_FILE = "split.json"
 TENSORS_FILE = "device.safetensors"
 FINAL_FILE = "final.json"  # the served model's accuracy after the last round, for people and scripts
 SERVED_FILE = "served.safetensors"  # the model final.json measured
+UPDATES_DIR = "updates"  # --keep-updates: every round's update, r<round>.safetensors
 TEST_FRACTION = 0.2
 
 log = logging.getLogger("fedper.edge")
@@ -109,6 +112,14 @@ class DeviceState:
         path = self.dir / TENSORS_FILE
         with _saving(path):
             checkpoint.write_checkpoint(path, {**saved.update, **saved.local}, meta, PRIVATE)
+
+    def keep_update(self, saved: Saved) -> None:
+        """A copy of this round's update beside the checkpoint (which keeps only the last round's)."""
+        path = self.dir / UPDATES_DIR / f"r{saved.round}.safetensors"
+        meta = {"round": saved.round, "base_digest": saved.base_digest, "n_samples": saved.n_samples}
+        with _saving(path):
+            path.parent.mkdir(mode=0o700, exist_ok=True)
+            checkpoint.write_checkpoint(path, saved.update, meta, PRIVATE)
 
     def save_served(self, tensors: Mapping[str, np.ndarray], record: dict[str, Any]) -> None:
         """The model the device serves after the last round, then final.json, its accuracy on it."""

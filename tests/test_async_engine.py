@@ -22,6 +22,7 @@ from vectors.make_vectors import tiny_manifest, tiny_tensors
 from fedper import selection
 from fedper.coordinator.config import Config
 from fedper.coordinator.durable import Coordinator
+from fedper.coordinator.effects import Commit
 from fedper.coordinator.invitations import Invitations
 from fedper.coordinator.store import FINAL_FILE, METRICS_FILE, RoundRecord, Store
 from fedper.coordinator.strategies.mean import PARTIAL_EVERY
@@ -323,6 +324,51 @@ def test_a_restart_after_any_update_releases_the_same_bits(tmp_path: Path, aggre
         assert all(got[n].tobytes() == final[n].tobytes() for n in final), restart_after
         assert [r["buffer"] for r in records(tmp_path / "restarted")] == [
             r["buffer"] for r in records(tmp_path / "unbroken")]
+
+
+class Killed(Exception):
+    """The process died (SIGKILL) after the store's first commit of a message's writes."""
+
+
+class KilledAtItsNextCommit(Coordinator):
+    """The durable coordinator, killed once `armed` right after the first commit a message leads to: the commit of
+    the K-th fold made, the release's writes and commit not (the chaos soak's SIGKILL found that window)."""
+
+    armed = False
+
+    def _carry_out(self, effects: list) -> list:
+        commits = [i for i, e in enumerate(effects) if isinstance(e, Commit)]
+        if not (self.armed and commits):
+            return super()._carry_out(effects)
+        super()._carry_out(effects[:commits[0] + 1])
+        raise Killed
+
+
+def test_a_buffer_full_when_the_coordinator_died_is_released_at_start_with_its_own_k_updates(tmp_path: Path) -> None:
+    """Killed between the K-th fold's commit and its release's: the restarted coordinator releases version 1 at
+    start, so an update that comes next folds into version 2, in its record too (metrics.jsonl once listed it,
+    and its n_samples, in version 1's record while the buffer had folded it into version 2)."""
+    samples = {"d0": 3, "d1": 5, "d2": 7}
+    c = KilledAtItsNextCommit(MANIFEST, tiny_tensors(), TOPICS, Config.of(
+        rounds=3, min_clients=1, round_timeout=1e6, chunk_size=64, mode="async", buffer_size=2), Store(tmp_path))
+    c.start(0.0)
+    register(c, samples)
+    first = copy(c.model)
+    assert send(c, "d0", plus(first, 0.5), 1, 3) == []
+    c.armed = True
+    with pytest.raises(Killed):
+        send(c, "d1", plus(first, -0.25), 1, 5)
+    assert not (tmp_path / METRICS_FILE).exists() or records(tmp_path) == []  # version 1 not released yet
+
+    restarted = make(tmp_path)
+    assert restarted.round.number == 2 and [r["devices"] for r in records(tmp_path)] == [["d0", "d1"]]
+    register(restarted, samples)
+    assert send(restarted, "d2", plus(first, 1.0), 1, 7) == []  # trained on version 1: staleness 1
+    assert send(restarted, "d0", plus(copy(restarted.model), 0.1), 2, 3) == []
+    version_1, version_2 = records(tmp_path)
+    assert version_1["n_samples"] == 8 and version_1["buffer"]["updates"] == ["d0@1", "d1@1"]
+    assert sorted(version_2["devices"]) == ["d0", "d2"] and version_2["n_samples"] == 10
+    assert sorted(version_2["buffer"]["updates"]) == ["d0@2", "d2@1"] and version_2["buffer"]["staleness"] == [1, 0]
 
 
 def test_a_state_directory_is_resumed_only_in_its_own_mode(tmp_path: Path) -> None:

@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save, save_file
 
+from fedper.checkpoint import write_checkpoint
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
@@ -112,6 +114,22 @@ def write_run(folder: Path, sent: list[tuple[str, int, int, dict[str, np.ndarray
                                                   "crashes": []}))
 
 
+@pytest.mark.parametrize("recorded_cap", [2, None])
+def test_checker_weighs_a_sync_round_with_the_recorded_weight_cap(tmp_path: Path, recorded_cap: int | None) -> None:
+    """--max-weight-ratio: the round's mean weighs dev-002 (n = 3) at the cap of 2 the metrics line records; the
+    same release without the cap recorded is not the mean."""
+    rng = np.random.default_rng(4)
+    updates = {d: rng.normal(size=(4, 8)).astype(np.float32) for d in DEVICES}
+    weights = {d: min(n, 2) for d, n in DEVICES.items()}
+    mean = sum(weights[d] * updates[d].astype(np.float64) for d in DEVICES) / sum(weights.values())
+    line = {"round": 1, "devices": list(DEVICES), "n_samples": 6, **({"weight_cap": recorded_cap} if recorded_cap
+                                                                      else {})}
+    write_run(tmp_path, [(d, 1, n, {"base.w": updates[d]}) for d, n in DEVICES.items()], {"r2": {"base.w": mean}},
+              [line])
+    violations = chaos_check.check(tmp_path)["violations"]
+    assert (violations == []) == (recorded_cap is not None), violations
+
+
 def make_versions(folder: Path, *, unweighted: bool = False, fold_twice: bool = False) -> None:
     """Async: version 1 folds dev-002's update (r2 itself); version 2 folds dev-000's update trained on r1
     (staleness 1) and dev-001's on r2 (staleness 0);
@@ -187,14 +205,81 @@ def test_checker_finds_dp_noise_other_than_recorded(tmp_path: Path) -> None:
     assert any("noise_std" in v for v in chaos_check.check(tmp_path)["violations"])
 
 
+def make_secure_round(folder: Path, *, leave_out: bool = False, unclipped: bool = False,
+                      leak_head: bool = False) -> None:
+    """Secure aggregation, round 1 of three real agents (their --keep-updates copies and checkpoints written by the
+    agent's own writer): r2 = r1 + sum(n_j clip_C(u_j - r1)) / sum(n_j), agent-2's delta beyond C; or that
+    mean without agent-2's update, or without the clipping."""
+    rng = np.random.default_rng(3)
+    shape, c = (16, 16), 20.0
+    agents = {"agent-0": 16, "agent-1": 12, "agent-2": 8}
+    r1 = {"base.w": rng.normal(size=shape).astype(np.float32)}
+    scales = {"agent-0": 0.5, "agent-1": 1.0, "agent-2": 4.0}  # delta norms about 8, 16 and 64 (> C: clipped)
+    updates = {a: (r1["base.w"] + scales[a] * rng.normal(size=shape)).astype(np.float32) for a in agents}
+    total, weight = np.zeros(shape), 0
+    for a, n in agents.items():
+        if leave_out and a == "agent-2":
+            continue
+        delta = updates[a].astype(np.float64) - r1["base.w"]
+        total += n * delta * (1.0 if unclipped else min(1.0, c / np.linalg.norm(delta)))
+        weight += n
+    write_run(folder, [], {"r1": r1, "r2": {"base.w": r1["base.w"] + total / weight}},
+              [{"round": 1, "devices": list(agents), "n_samples": sum(agents.values()),
+                "secagg": {"session": 1, "devices": 3, "groups": [{"devices": 3, "released": True}]}}])
+    for a, n in agents.items():
+        head = {"classifier.weight": rng.normal(size=(4, 8)).astype(np.float32)}
+        (folder / "agents" / a / "updates").mkdir(parents=True)
+        write_checkpoint(folder / "agents" / a / "updates" / "r1.safetensors", {"base.w": updates[a]},
+                         {"round": 1, "base_digest": "sha256:x", "n_samples": n})
+        write_checkpoint(folder / "agents" / a / "device.safetensors", {"base.w": updates[a], **head},
+                         {"round": 1, "local": ["classifier.weight"]})
+        if leak_head and a == "agent-1":
+            with open(folder / "capture.bin", "ab") as f:
+                f.write(record(f"{BASE}/secagg/{a}", head["classifier.weight"].tobytes()))
+    soak = json.loads((folder / "soak.json").read_text())
+    (folder / "soak.json").write_text(json.dumps({**soak, "clip_norm": c}))
+
+
+def test_checker_passes_an_honest_secure_round(tmp_path: Path) -> None:
+    make_secure_round(tmp_path)
+    result = chaos_check.check(tmp_path)
+    assert result["violations"] == [] and result["verified"] == 1
+
+
+@pytest.mark.parametrize("doctored", ["leave_out", "unclipped"])
+def test_checker_finds_a_secure_release_other_than_the_clipped_mean(tmp_path: Path, doctored: str) -> None:
+    make_secure_round(tmp_path, **{doctored: True})
+    assert any("round 1: released model r2 is not r1 plus the weighted mean of its 3 clipped deltas" in v
+               for v in chaos_check.check(tmp_path)["violations"])
+
+
+def test_checker_passes_a_secure_round_released_unchanged_and_finds_one_that_moved(tmp_path: Path) -> None:
+    """A round resumed after its unmask requests went out is released without any update (`secagg.abandoned`):
+    r2 must be r1 itself."""
+    rng = np.random.default_rng(5)
+    r1 = {"base.w": rng.normal(size=(4, 8)).astype(np.float32)}
+    line = {"round": 1, "devices": [], "n_samples": 0, "secagg": {"abandoned": True, "excluded": []}}
+    for name, r2 in (("unchanged", r1), ("moved", {"base.w": r1["base.w"] + np.float32(0.01)})):
+        write_run(tmp_path / name, [], {"r1": r1, "r2": r2}, [line])
+        soak = json.loads((tmp_path / name / "soak.json").read_text())
+        (tmp_path / name / "soak.json").write_text(json.dumps({**soak, "clip_norm": 20.0}))
+    assert chaos_check.check(tmp_path / "unchanged")["violations"] == []
+    assert any("released model r2 is not r1" in v for v in chaos_check.check(tmp_path / "moved")["violations"])
+
+
+def test_checker_finds_an_agents_head_on_the_wire(tmp_path: Path) -> None:
+    make_secure_round(tmp_path, leak_head=True)
+    assert any("head tensor classifier.weight of agent-1" in v for v in chaos_check.check(tmp_path)["violations"])
+
+
 @pytest.mark.mosquitto
 @pytest.mark.soak
 @pytest.mark.skipif(shutil.which("mosquitto") is None and not Path("/usr/sbin/mosquitto").exists(),
                     reason="mosquitto not installed (apt-get install mosquitto)")
 def test_quick_soak_finds_no_violation(tmp_path: Path) -> None:
-    """Sync and async modes, 30 s without faults and 30 s with coordinator SIGKILLs, broker restarts, device
-    groups killed with SIGKILL, devices leaving (some mid-upload), network cuts and, with libfaketime, clock
-    jumps; the command exits 1 on any violation."""
+    """Async and sync modes (sync with its 2 real agents, joining when they are up), 30 s without faults and 30 s
+    with coordinator SIGKILLs, broker restarts, device groups and agents killed with SIGKILL, devices leaving (some
+    mid-upload), network cuts and, with libfaketime, clock jumps; the command exits 1 on any violation."""
     done = subprocess.run([sys.executable, str(BENCH / "chaos_soak.py"), "--quick", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]

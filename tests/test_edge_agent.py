@@ -124,6 +124,22 @@ def test_a_restarted_device_resends_the_update_it_saved(make_device, models) -> 
     assert not any("served accuracy" in line for line in restarted.logs)
 
 
+def test_keep_updates_keeps_each_rounds_update_as_sent(make_device, models, tmp_path: Path) -> None:
+    """--keep-updates: updates/r<k>.safetensors holds round k's update bit for bit as it went on the wire (the
+    chaos soak's checker compares the released models with these), private to the device; without it, none."""
+    device = make_device(keep_updates=True)
+    sent = {k: sent_update(device.open_round(k, models(k)))[1] for k in (1, 2)}
+    for k, update in sent.items():
+        path = tmp_path / "state" / "updates" / f"r{k}.safetensors"
+        kept, meta = read_checkpoint(path)
+        assert meta["round"] == k and meta["n_samples"] == 16 and sorted(kept) == sorted(update)
+        assert all(np.array_equal(kept[n], update[n]) for n in update)
+        assert path.stat().st_mode & 0o077 == 0
+    assert not any(np.array_equal(sent[1][n], sent[2][n]) for n in sent[1])
+    make_device("plain").open_round(1, models(1))
+    assert not (tmp_path / "plain" / "updates").exists()
+
+
 def test_the_finished_run_writes_the_served_model_and_its_accuracy(make_device, models, tmp_path: Path) -> None:
     device = make_device()
     sent_update(device.open_round(1, models(1)))

@@ -338,6 +338,29 @@ def test_fixed_size_selection_is_accounted_without_replacement_at_its_replace_on
     assert PrivacyAccountant(1e-5, history=[(100, 0.01, z - 0.01)], sampling="fixed").epsilon() > 5.0
 
 
+@pytest.mark.parametrize("sampling", ["fixed", "poisson"])
+def test_epsilon_of_a_long_mixed_history_is_the_librarys_and_each_distinct_round_is_computed_once(
+        sampling: str) -> None:
+    """The coordinator asks for epsilon twice a round; the RDP of each distinct (q, z) round is kept, so a run's
+    epsilon is the sum of its segments' curves: equal to dp-accounting composing the whole history afresh, and
+    asking again (or after more rounds of a kept (q, z)) computes no curve."""
+    from fedper import privacy
+
+    relation = dp_accounting.NeighboringRelation.REPLACE_ONE if sampling == "fixed" else \
+        dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+    accountant = PrivacyAccountant(1e-5, sampling=sampling)
+    for i in range(40):  # the fleet grows and shrinks: q = 8 / N for N among 24, 25, 26, and z changes once
+        accountant.record(8 / (24 + i % 3), 0.9 if i < 30 else 1.3)
+    library = rdp.RdpAccountant(neighboring_relation=relation)
+    library.compose(dp_event(accountant.history, sampling))
+    assert accountant.epsilon() == pytest.approx(library.get_epsilon(1e-5), rel=1e-12)
+    computed = privacy._rdp_of_one_round.cache_info().misses
+    accountant.record(8 / 25, 1.3, rounds=100)
+    assert accountant.epsilon() > library.get_epsilon(1e-5)
+    assert accountant.projected_epsilon(8 / 24, 1.3) > accountant.epsilon()
+    assert privacy._rdp_of_one_round.cache_info().misses == computed
+
+
 def test_a_device_whose_rounds_are_known_gets_no_subsampling_discount() -> None:
     """Issue 26: with a public seed, a device's 10 rounds of those 1,000 are known: its epsilon is that of 10
     unsampled Gaussian rounds, about 19. Hand bound: Gaussian RDP 10 * a / (2 z^2) with the classic

@@ -78,9 +78,11 @@ class Terms:
 
 @dataclass(frozen=True)
 class Wait:
-    """The round goes on; `out`: messages to publish."""
+    """The round goes on; `out`: messages to publish; `commit`: the strategy's checkpoint changed and must be on
+    disk before they go out."""
 
     out: list[Outgoing] = field(default_factory=list)
+    commit: bool = False
 
 
 @dataclass(frozen=True)
@@ -118,10 +120,13 @@ class Refused:
 
 @dataclass(frozen=True)
 class Opened:
-    """`open`: the round's extra RoundInfo fields; `stopped`: a resumed run may open no further round (a budget)."""
+    """`open`: the round's extra RoundInfo fields; `stopped`: a resumed run may open no further round (a budget);
+    `ready`: resumed, the round is ready to release already (a buffer whose K-th fold was committed before the
+    process died, its release not): the engine releases it before it takes another update."""
 
     fields: dict[str, Any] = field(default_factory=dict)
     stopped: bool = False
+    ready: bool = False
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,8 @@ class FedBuff(Strategy):
         number, self.finished = round_.number, finished
         if saved is not None:
             self._resume(saved, round_)
-            return Opened({"max_staleness": self.config.max_staleness}, bool(self.budget and self.budget.stopped))
+            return Opened({"max_staleness": self.config.max_staleness}, bool(self.budget and self.budget.stopped),
+                          ready=self.released is not None)
         self.released, self.updates, self.weight_cap = None, [], None
         if self.buffer is None:
             self.buffer = Buffer(self.config, model, number)

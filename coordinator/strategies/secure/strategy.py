@@ -3,13 +3,18 @@ learns only n_j-weighted sums of the contributors' clipped deltas (with a noise 
 add the noise: distributed DP, accounted like the central kind).
 
 A session is not checkpointed: after a restart, or a session that fails before any share is revealed, the
-round opens a new one and the devices take part again. A device whose input spoils its group's sum (beyond
-the clip norm, or secrets that do not check out) is narrowed down over the next rounds: the contributors of
-the failed group are suspects, the next session splits them in halves (plan_groups), each summed apart with
-others up to --secagg-min-group (a round too small for that leaves one suspect out, and a failure without it
-clears it); the suspects become those of a half that fails again, and a lone suspect is excluded from secure
-aggregation for the rest of the run (checkpointed). Meanwhile every group that passes is released, so
-training goes on. The stages and their messages: session.py beside this file, docs/privacy.md.
+round opens a new one and the devices take part again. Once the unmask requests go out the devices reveal
+shares and take part in no other session of the round, so the round is checkpointed as unmasking before they
+go out; a coordinator restarted in such a round cannot finish its session and releases it at start without
+any device's update (the model unchanged), and the next round goes on.
+
+A device whose input spoils its group's sum (beyond the clip norm, or secrets that do not check out) is narrowed
+down over the next rounds: the contributors of the failed group are suspects, the next session splits them in
+halves (plan_groups), each summed apart with others up to --secagg-min-group (a round too small for that leaves
+one suspect out, and a failure without it clears it); the suspects become those of a half that fails again, and
+a lone suspect is excluded from secure aggregation for the rest of the run (checkpointed). Meanwhile every group
+that passes is released, so training goes on. The stages and their messages: session.py beside this file,
+docs/privacy.md.
 """
 
 from __future__ import annotations
@@ -87,6 +92,8 @@ class SecureSum(Strategy):
         self.failures = 0  # sessions that could not finish in this process (monitoring; not checkpointed)
         self.suspects: set[str] = set()  # contributors of a group whose sum failed last round
         self.excluded: set[str] = set()  # found to spoil the sum: no longer admitted (checkpointed)
+        self.unmasking = 0  # the last round whose unmask requests went out (checkpointed before they do)
+        self.abandoned = False  # resumed in that round: its session is lost, it is released without updates
 
     def open(self, round_: RoundRecord, model: Mapping[str, np.ndarray], finished: bool,
              saved: Mapping[str, Any] | None = None) -> Opened:
@@ -96,13 +103,15 @@ class SecureSum(Strategy):
         if saved is not None:
             narrowing = saved.get("secagg") or {}
             self.suspects, self.excluded = set(narrowing.get("suspects", ())), set(narrowing.get("excluded", ()))
+            self.unmasking = int(narrowing.get("unmasking", 0))
+            self.abandoned = self.unmasking == round_.number and not finished
             if self.budget is not None:
                 self.budget.resume(saved["privacy"])
         self.session = None if finished else SecureRound(round_.number, new_session(), SecureSettings(
             self.clip_norm, flat_length(self.manifest, self.tensors), self.stage_timeout, self.topics.fleet,
             self.root, self.degree, self.tensors, self.min_group))
         fields = {"secagg_session": self.session.session} if self.session is not None else {}
-        return Opened(fields, bool(self.budget and self.budget.stopped))
+        return Opened(fields, bool(self.budget and self.budget.stopped), ready=self.abandoned)
 
     def _open_session(self) -> SecureRound:
         if self.session is None:
@@ -154,11 +163,22 @@ class SecureSum(Strategy):
         if stage == "failed":
             self.failures += 1
             return Retry(out)
+        if stage == "unmask" and self.unmasking != self.number:
+            self.unmasking = self.number  # on disk before the requests go out: the devices reveal shares
+            return Wait(out, commit=True)
         return Ready(out) if stage == "done" else Wait(out)
 
     def release(self, closed: RoundRecord, last: bool) -> Released:
         """base + the n_j-weighted mean of the released groups' clipped deltas (the base when none is); the
-        suspects narrowed by the groups that failed."""
+        suspects narrowed by the groups that failed. A round resumed after its unmask requests went out (its
+        devices take part in no other session of it): the base, without any update."""
+        if self.abandoned:
+            self.abandoned = False
+            log.warning("round %d: this coordinator stopped after asking for its session's unmask shares; the devices "
+                        "that revealed them take part in no other session of the round, so it is released without "
+                        "any update and the next round opens", closed.number)
+            return Released(dict(self.model), {"secagg": {"abandoned": True, "excluded": sorted(self.excluded)}},
+                            bool(self.budget and self.budget.stopped), {})
         session = self._open_session()
         outcomes = session.outcomes()
         for outcome in outcomes:
@@ -220,4 +240,5 @@ class SecureSum(Strategy):
 
     def checkpoint(self) -> dict[str, Any]:
         return {"privacy": None if self.budget is None else {**self.budget.checkpoint(), "partial_meta": None},
-                "secagg": {"suspects": sorted(self.suspects), "excluded": sorted(self.excluded)}}
+                "secagg": {"suspects": sorted(self.suspects), "excluded": sorted(self.excluded),
+                           "unmasking": self.unmasking}}
