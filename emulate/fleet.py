@@ -16,8 +16,9 @@ takes the n_j-weighted mean over them (fedper.aggregation.WeightedMean, as the c
 A client not selected keeps its local tensors as they were. Then every client, selected or not
 (FedBABU's Algorithm 2), is evaluated as it would serve: the NEW shared tensors + its own local ones, BatchNorm in eval
 mode, on its own test split (FedAvg: the global model); the vmap engine evaluates every client in one vmapped
-pass per chunk of test samples (batched.evaluate_clients_batched: the same accuracies). With `fine_tune_head_at_eval` (FedBABU,
-Algorithm 2 of Oh et al.) a copy is fine-tuned on the client's train data first and discarded.
+pass per chunk of test samples (batched.evaluate_clients_batched: the same accuracies). With
+`fine_tune_head_at_eval` (FedBABU, Algorithm 2 of Oh et al.) a copy is fine-tuned on the client's train data
+first and discarded.
 BatchNorm buffers are tensors like any other: shared ones averaged, local ones kept; the BatchNorm
 policy (`bn`) is the manifest's: "local" keeps every BatchNorm tensor local (FedBN), "batch"
 evaluates with the statistics of each batch of fedper.batches.EVAL_BATCH test samples (the agents'
