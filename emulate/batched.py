@@ -45,11 +45,14 @@ def train_clients_batched(
     generators: Sequence[BatchKey],
     on_step: OnStep | None = None,
     on_rows: Callable[[list[int]], None] | None = None,
+    gradient: Callable | None = None,
+    channels_last: bool = False,
 ) -> None:
     """Train every client's slice of `stacked` ({name: [clients, ...]}, all manifest tensors) in place;
     `generators` are the clients' batch keys (train.client_generator); `lr` one for all, or one per row
     (rows of stacked runs, emulate/stacked.py). `on_step` hears of each vmapped step with the number of
-    client-batches it took, as train_client counts them; `on_rows` with the rows it took."""
+    client-batches it took, as train_client counts them; `on_rows` with the rows it took. `gradient`: the
+    step's batched_gradient (eager by default); `channels_last`: each sample handed over in NHWC memory order."""
     n_clients = len(train_idx)
     if not isinstance(lr, float | int):
         rates = list(lr)
@@ -60,7 +63,7 @@ def train_clients_batched(
     counters = {n: torch.stack([b] * n_clients) for n, b in model.state_dict().items() if n not in stacked}
     stacked = stacked | counters
 
-    batched_grad = vmap(grad(_loss, argnums=1), in_dims=(None, 0, 0, 0, 0))
+    batched_grad = gradient or batched_gradient("none")
     every = torch.cat(list(train_idx))  # the clients' indices end to end; row j starts at starts[j]
     starts = [0, *itertools.accumulate(len(idx) for idx in train_idx)][:-1]
     row_sets: dict[tuple[int, ...], torch.Tensor] = {}  # each group's rows on the device, made once
@@ -85,8 +88,11 @@ def train_clients_batched(
                             if tuple(members) not in row_sets:
                                 row_sets[tuple(members)] = torch.tensor(members, device=x.device)
                             sample = samples[row_sets[tuple(members)], at:at + size]
+                        xb = x[sample]
+                        if channels_last:  # [G, B, C, H, W] with C innermost: each sample NHWC under vmap
+                            xb = xb.permute(0, 1, 3, 4, 2).contiguous().permute(0, 1, 4, 2, 3)
                         _step(batched_grad, model, stacked, velocity, names, members, n_clients,
-                              x[sample], y[sample], lr, momentum, row_sets.get(tuple(members)))
+                              xb, y[sample], lr, momentum, row_sets.get(tuple(members)))
                         if on_step is not None:
                             on_step(len(members))
                         if on_rows is not None:
@@ -128,6 +134,17 @@ def _epoch_samples(every: torch.Tensor, starts: list[int], batches: list[list[to
         order = torch.cat(client)
         positions[j, : len(order)] = order + starts[j]
     return every[positions.to(every.device, non_blocking=True)]
+
+
+def batched_gradient(capture: str = "none") -> Callable:
+    """The vmapped gradient of the loss over the clients' rows: eager ("none"), or captured by torch.compile
+    ("compile": Inductor's kernels; "cudagraphs": the same replayed as CUDA graphs, mode "reduce-overhead"). A
+    captured step compiles on its first calls (again for each new batch shape or phase): minutes on a CPU, its
+    warm-up cost reported by benchmarks/emulator_gpu.py; its gradients equal the eager ones to rounding."""
+    step = vmap(grad(_loss, argnums=1), in_dims=(None, 0, 0, 0, 0))
+    if capture == "none":
+        return step
+    return torch.compile(step, mode="reduce-overhead" if capture == "cudagraphs" else None)
 
 
 def _loss(model: nn.Module, trained, rest, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
