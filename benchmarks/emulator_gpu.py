@@ -1,8 +1,7 @@
 """The emulator at the paper's scale as a share of the hardware: Fig. 2's setting (32x32 CIFAR-10, 10 clients,
 B = 128, 4 local epochs, width 1.0) for MobileNet-v1 and ResNet-34, float32 and bf16, one run (the vmap engine)
-and Fig. 2's six runs of a model stacked (emulate/stacked.py), then the sequential engine, then the stacked steps
-again with the vmap step captured (--capture: CUDA graphs on a GPU; left out under --quick, as compiling takes
-minutes on a CPU), then the reduced Fig. 2 grid (the smoke preset) in float32 and bf16 for the accuracy.
+and Fig. 2's six runs of a model stacked (emulate/stacked.py), then the sequential engine, then the reduced Fig. 2
+grid (the smoke preset) in float32 and bf16 for the accuracy.
 
     python benchmarks/emulator_gpu.py --data cifar10.npz --out runs/bench [--budget 540]
     python benchmarks/emulator_gpu.py --quick --out runs/bench   # the same code on a CPU, tiny, ~2 minutes
@@ -14,10 +13,11 @@ fits its share (--quick: one); a step whose warm-up alone spends its share is re
 (timed_rounds 0). A step that fails is recorded with its error and the next one runs; none starts once the
 budget is spent.
 
-Each row reports the capture, the seconds the warm-up round took beyond a timed one (warmup_extra_s: for a
-captured step, mostly its compilation), samples/s, the training FLOPs per sample (one forward and backward pass,
-counted by torch.utils.flop_counter.FlopCounterMode on the model, not a formula), the TFLOP/s that makes and its share
-of the GPU's dense peak in that precision (PEAK_TFLOPS; an unknown GPU or a CPU prints TFLOP/s alone), the peak
+Each row reports the seconds the warm-up round took beyond a timed one (warmup_extra_s: cuDNN's autotuning, the
+allocator's growth; a captured step's compilation, once there is one), samples/s, the training FLOPs per sample
+(one forward and backward pass, counted by torch.utils.flop_counter.FlopCounterMode on the model, not a formula),
+the TFLOP/s that makes and its share of the GPU's dense peak in that precision (PEAK_TFLOPS; an unknown GPU or a
+CPU prints TFLOP/s alone), the peak
 memory (CUDA: torch's peak allocation during the step; CPU: the process's peak resident memory so far), and
 Fig. 2's time extrapolated from the timed rounds: 100 rounds of the model's six runs (one run's round six times
 over, or the stacked round, which holds all six), and per engine and precision the grid of both models.
@@ -56,7 +56,7 @@ GRID = [(algorithm, kp, k) for k in (4, 8, 10) for algorithm, kp in (("fedavg", 
 # H200 SXM: TF32 tensor cores for float32; A100 SXM; L4; RTX 4090). The first name that the device's holds wins.
 PEAK_TFLOPS = {"H200": (494.7, 989.4), "H100": (494.7, 989.4), "A100": (156.0, 312.0), "L4": (60.0, 121.0),
                "RTX 4090": (82.6, 165.2)}
-HEADER = ("step", "engine", "precision", "capture", "model", "runs", "timed_rounds", "round_s", "warmup_extra_s",
+HEADER = ("step", "engine", "precision", "model", "runs", "timed_rounds", "round_s", "warmup_extra_s",
           "samples_s", "gflop_sample", "tflop_s", "peak_share", "peak_gib", "grid_min", "final_mean_accuracy")
 
 
@@ -128,9 +128,9 @@ def timed_rounds(round_once: Callable[[], None], share: float, most: int | None 
 
 
 def measure(model: str, precision: str, engine: str, data: str | None, device: str, quick: bool,
-            share: float, loaded: dict[int, FleetData], capture: str = "none") -> dict[str, Any]:
+            share: float, loaded: dict[int, FleetData]) -> dict[str, Any]:
     """Rounds of Fig. 2's runs of `model`: the FedPer k = 4 run alone (engine vmap or sequential), or all six stacked
-    (engine "stacked"), in `precision`, the vmap step captured as `capture` says, within `share` seconds."""
+    (engine "stacked"), in `precision`, within `share` seconds."""
     base, train = settings(data, quick)
     chosen = GRID if engine == "stacked" else [("fedper", 2, 4)]
     fleets = []
@@ -139,7 +139,7 @@ def measure(model: str, precision: str, engine: str, data: str | None, device: s
             fresh = load_fleet_data(replace(base, classes_per_client=k), device)
             first = next(iter(loaded.values()), fresh)
             loaded[k] = replace(fresh, x=first.x, y=first.y)
-        config = FleetConfig(model=model, algorithm=algorithm, kp=kp, precision=precision, seed=0, capture=capture,
+        config = FleetConfig(model=model, algorithm=algorithm, kp=kp, precision=precision, seed=0,
                              engine="vmap" if engine == "stacked" else engine, **train)
         fleets.append(Fleet(config, loaded[k]))
     states = [fleet.init() for fleet in fleets]
@@ -157,9 +157,9 @@ def measure(model: str, precision: str, engine: str, data: str | None, device: s
     flops = training_flops_per_sample(model, cfg.width, fleets[0].data.input_size)
     tflops = samples * flops / round_s / 1e12
     peak = peak_tflops(_device_name(), precision)
-    return {"step": "paper", "engine": engine, "precision": precision, "capture": capture, "model": model,
+    return {"step": "paper", "engine": engine, "precision": precision, "model": model,
             "runs": len(fleets), "timed_rounds": timed, "round_s": round_s,
-            "warmup_extra_s": warm_up - round_s if timed else None,  # a captured step's compilation, mostly
+            "warmup_extra_s": warm_up - round_s if timed else None,  # cuDNN's autotuning, allocator growth
             "samples_s": samples / round_s, "gflop_sample": flops / 1e9,
             "tflop_s": tflops, "peak_share": None if peak is None else tflops / peak, "peak_gib": _peak_gib(),
             "grid_min": round_s * PAPER_ROUNDS * len(GRID) / len(fleets) / 60}
@@ -191,20 +191,17 @@ def reduced_grid(out: Path, data: str | None, precision: str, device: str, quick
 def grid_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per engine and precision measured for both models: Fig. 2's whole grid (12 runs x 100 rounds), extrapolated."""
     totals = []
-    for engine, precision, capture in dict.fromkeys((r["engine"], r["precision"], r["capture"]) for r in rows
-                                                    if r["step"] == "paper"):
-        parts = [r for r in rows if r["step"] == "paper" and (r["engine"], r["precision"], r["capture"]) ==
-                 (engine, precision, capture)]
-        if {r["model"] for r in parts} == set(MODELS):
-            totals.append({"step": "fig2 grid", "engine": engine, "precision": precision, "capture": capture,
-                           "model": "both", "runs": 2 * len(GRID), "grid_min": sum(r["grid_min"] for r in parts)})
+    for engine in ("vmap", "stacked", "sequential"):
+        for precision in PRECISIONS:
+            parts = [r for r in rows if r["step"] == "paper" and (r["engine"], r["precision"]) == (engine, precision)]
+            if {r["model"] for r in parts} == set(MODELS):
+                totals.append({"step": "fig2 grid", "engine": engine, "precision": precision, "model": "both",
+                               "runs": 2 * len(GRID), "grid_min": sum(r["grid_min"] for r in parts)})
     return totals
 
 
-def run(out: Path, data: str | None, budget: float, quick: bool, only: str = "", capture: str | None = None) -> str:
-    """Every step in order of importance within `budget` seconds; writes OUT/emulator_gpu.json and .md. `capture`:
-    how the captured steps (the stacked ones again, captured) capture it (default: cudagraphs on CUDA, else
-    compile); --quick leaves them out (compiling takes minutes on a CPU)."""
+def run(out: Path, data: str | None, budget: float, quick: bool, only: str = "") -> str:
+    """Every step in order of importance within `budget` seconds; writes OUT/emulator_gpu.json and .md."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if quick:  # kernels this small gain nothing from a second thread, and lose much on a loaded machine
         torch.set_num_threads(1)
@@ -217,11 +214,6 @@ def run(out: Path, data: str | None, budget: float, quick: bool, only: str = "",
     steps += [(f"paper {m}, sequential, float32",
                lambda share, m=m: [measure(m, "float32", "sequential", data, device, quick, share, loaded)])
               for m in MODELS]
-    capture = capture or ("cudagraphs" if device == "cuda" else "compile")
-    if not quick:
-        steps += [(f"paper {m}, stacked, {p}, {capture}",
-                   lambda share, m=m, p=p: [measure(m, p, "stacked", data, device, quick, share, loaded, capture)])
-                  for m in MODELS for p in PRECISIONS]
     steps += [(f"reduced grid, {p}", lambda share, p=p: reduced_grid(out, data, p, device, quick)) for p in PRECISIONS]
     steps = [(name, step) for name, step in steps if only in name]
     info = machine() | {"device": _device_name(), "torch": torch.__version__, "budget_s": budget}
@@ -246,8 +238,6 @@ def run(out: Path, data: str | None, budget: float, quick: bool, only: str = "",
              f"{budget:.0f} s budget, load {info['load_1min']}",
              table(HEADER, [[r.get(h) for h in HEADER] for r in ok])]
     lines += [f"- {r['step']}: {r['error']}" for r in rows if "error" in r]
-    if quick:
-        lines.append("- captured steps: not under --quick (compiling the step takes minutes on a CPU)")
     (out / "emulator_gpu.md").write_text("\n".join(lines) + "\n")
     return "\n".join(lines)
 
@@ -263,16 +253,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="the same steps on digits, tiny models and few samples: about 2 minutes on a CPU")
     parser.add_argument("--only", default="", help="run only the steps whose name holds this text")
-    parser.add_argument("--capture", choices=("compile", "cudagraphs"), default=None,
-                        help="how the captured steps capture the vmap step (default: cudagraphs on CUDA, else "
-                             "compile); they follow the eager ones and are left out under --quick")
     args = parser.parse_args()
     if args.data is None and not args.quick:
         parser.error("--data is required (CIFAR-10 as an .npz), or --quick")
     budget = args.budget if args.budget is not None else QUICK_BUDGET_S if args.quick else BUDGET_S
     if budget <= 0:
         parser.error("--budget must be positive")
-    print(run(args.out, args.data, budget, args.quick, args.only, args.capture))
+    print(run(args.out, args.data, budget, args.quick, args.only))
 
 
 if __name__ == "__main__":

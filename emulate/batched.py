@@ -45,14 +45,13 @@ def train_clients_batched(
     generators: Sequence[BatchKey],
     on_step: OnStep | None = None,
     on_rows: Callable[[list[int]], None] | None = None,
-    gradient: Callable | None = None,
     channels_last: bool = False,
 ) -> None:
     """Train every client's slice of `stacked` ({name: [clients, ...]}, all manifest tensors) in place;
     `generators` are the clients' batch keys (train.client_generator); `lr` one for all, or one per row
     (rows of stacked runs, emulate/stacked.py). `on_step` hears of each vmapped step with the number of
-    client-batches it took, as train_client counts them; `on_rows` with the rows it took. `gradient`: the
-    step's batched_gradient (eager by default); `channels_last`: each sample handed over in NHWC memory order."""
+    client-batches it took, as train_client counts them; `on_rows` with the rows it took. `channels_last`:
+    each sample handed over in NHWC memory order."""
     n_clients = len(train_idx)
     if not isinstance(lr, float | int):
         rates = list(lr)
@@ -63,7 +62,7 @@ def train_clients_batched(
     counters = {n: torch.stack([b] * n_clients) for n, b in model.state_dict().items() if n not in stacked}
     stacked = stacked | counters
 
-    batched_grad = gradient or batched_gradient("none")
+    batched_grad = vmap(grad(_loss, argnums=1), in_dims=(None, 0, 0, 0, 0))
     every = torch.cat(list(train_idx))  # the clients' indices end to end; row j starts at starts[j]
     starts = [0, *itertools.accumulate(len(idx) for idx in train_idx)][:-1]
     row_sets: dict[tuple[int, ...], torch.Tensor] = {}  # each group's rows on the device, made once
@@ -134,17 +133,6 @@ def _epoch_samples(every: torch.Tensor, starts: list[int], batches: list[list[to
         order = torch.cat(client)
         positions[j, : len(order)] = order + starts[j]
     return every[positions.to(every.device, non_blocking=True)]
-
-
-def batched_gradient(capture: str = "none") -> Callable:
-    """The vmapped gradient of the loss over the clients' rows: eager ("none"), or captured by torch.compile
-    ("compile": Inductor's kernels; "cudagraphs": the same replayed as CUDA graphs, mode "reduce-overhead"). A
-    captured step compiles on its first calls (again for each new batch shape or phase): minutes on a CPU, its
-    warm-up cost reported by benchmarks/emulator_gpu.py; its gradients equal the eager ones to rounding."""
-    step = vmap(grad(_loss, argnums=1), in_dims=(None, 0, 0, 0, 0))
-    if capture == "none":
-        return step
-    return torch.compile(step, mode="reduce-overhead" if capture == "cudagraphs" else None)
 
 
 def _loss(model: nn.Module, trained, rest, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:

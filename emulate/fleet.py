@@ -52,7 +52,7 @@ from fedper import checkpoint
 from fedper.aggregation import WeightedMean
 from fedper.algorithms import ALGORITHMS, Algorithm, Phase, Trained, check_kp, get_algorithm
 from fedper.batches import PURPOSE_FINETUNE, PURPOSE_TRAIN, client_seed
-from fedper.emulate.batched import batched_gradient, evaluate_clients_batched, train_clients_batched
+from fedper.emulate.batched import evaluate_clients_batched, train_clients_batched
 from fedper.emulate.data import FleetData
 from fedper.emulate.distributed import as_float64, combine, gather
 from fedper.emulate.train import OnStep, client_generator, epoch_steps, train_client
@@ -76,7 +76,6 @@ from fedper.training import evaluate, load_tensors
 
 ENGINES = ("auto", "sequential", "vmap")
 PRECISIONS = ("float32", "bf16")
-CAPTURES = ("none", "compile", "cudagraphs")  # the vmap engine's gradient step: eager, or captured (batched.py)
 LOCAL_INITS = ("random", "broadcast")
 Tensors = dict[str, torch.Tensor]
 
@@ -105,10 +104,7 @@ class FleetConfig:
     channels_last: bool = True  # batches in NHWC order on the CPU (train.train_client): faster, same values
     # "bf16": forward and backward under autocast to bfloat16; weights, SGD and BatchNorm statistics stay float32
     precision: str = "float32"
-    # opt-in for GPUs, where neither is measured yet (docs/performance.md section 7): batches in NHWC order on CUDA
-    # too (both engines), and the vmap engine's gradient step captured (batched.batched_gradient; CAPTURES)
-    cuda_channels_last: bool = False
-    capture: str = "none"
+    cuda_channels_last: bool = False  # batches in NHWC order on CUDA too (both engines): opt-in, not yet measured
     clients_per_round: int | None = None  # None: every client trains in every round
     bn: str = "shared"  # the BatchNorm policy (fedper.manifest.BN_POLICIES): shared | local (FedBN) | batch (FedBABU)
     # "random": each client's local tensors are its own random draw keyed by (seed, client), where the
@@ -194,8 +190,6 @@ class Fleet:
             raise ValueError(f"unknown engine {config.engine!r}; choose one of {', '.join(ENGINES)}")
         if config.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {config.precision!r}; choose one of {', '.join(PRECISIONS)}")
-        if config.capture not in CAPTURES:
-            raise ValueError(f"unknown capture {config.capture!r}; choose one of {', '.join(CAPTURES)}")
         if config.local_init not in LOCAL_INITS:
             raise ValueError(f"unknown local init {config.local_init!r}; choose one of {', '.join(LOCAL_INITS)}")
         self.config, self.data = config, data
@@ -217,13 +211,8 @@ class Fleet:
             raise ValueError(f"the fine-tuning interval must be >= 1 round, got {config.eval_finetune_interval}")
         batched = config.engine == "vmap" or (config.engine == "auto" and self.device.type == "cuda")
         self.engine = "vmap" if batched else "sequential"
-        if config.capture != "none" and self.engine != "vmap":
-            raise ValueError(f"--capture {config.capture} captures the vmap engine's step: add --engine vmap")
-        if config.capture == "cudagraphs" and self.device.type != "cuda":
-            raise ValueError("--capture cudagraphs needs a CUDA device; --capture compile runs anywhere")
         # NHWC batches: the CPU's default (oneDNN); on CUDA opt-in (cuDNN's own choice stays unless asked)
         self.channels_last = config.channels_last if self.device.type == "cpu" else config.cuda_channels_last
-        self.gradient = batched_gradient(config.capture)  # one per fleet: a captured step is compiled once
         self.dp = config.dp_noise_multiplier is not None
         self.private_names = private_tensor_names(self.manifest)
         self.expected_participants = min(config.clients_per_round or len(data.clients), len(data.clients))
@@ -465,7 +454,7 @@ class Fleet:
         generators = [client_generator(seed, round_, j, PURPOSE_TRAIN) for j in members]
         with self.compute():
             train_clients_batched(self.model, self.manifest, phases, d.x, d.y, [d.clients[j][0] for j in members],
-                                  stacked, generators=generators, on_step=on_step, gradient=self.gradient,
+                                  stacked, generators=generators, on_step=on_step,
                                   channels_last=self.batched_channels_last, **self.train_settings(round_ + 1))
         for row in range(len(members)):
             yield ({n: stacked[n][row] for n in self.shared_names},
