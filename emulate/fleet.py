@@ -15,8 +15,8 @@ local ones, trains its phases, and sends its shared tensors with n_j (training s
 takes the n_j-weighted mean over them (fedper.aggregation.WeightedMean, as the coordinator does).
 A client not selected keeps its local tensors as they were. Then every client, selected or not
 (FedBABU's Algorithm 2), is evaluated as it would serve: the NEW shared tensors + its own local ones, BatchNorm in eval
-mode, on its own test split (FedAvg: the global model); the vmap engine evaluates every client in one vmapped
-pass per chunk of test samples (batched.evaluate_clients_batched: the same accuracies). With
+mode, on its own test split (FedAvg: the global model); the vmap engine on CUDA evaluates every client in one
+vmapped pass per chunk of test samples (batched.evaluate_clients_batched: the same accuracies). With
 `fine_tune_head_at_eval` (FedBABU, Algorithm 2 of Oh et al.) a copy is fine-tuned on the client's train data
 first and discarded.
 BatchNorm buffers are tensors like any other: shared ones averaged, local ones kept; the BatchNorm
@@ -341,7 +341,7 @@ class Fleet:
             shared = combine(aggregate, state.shared)
         new = FleetState(round=state.round + 1, shared=shared, local=local, seed=state.seed, privacy=privacy)
         finetune = self.finetunes_at_eval and new.round % self.config.eval_finetune_interval == 0
-        if self.engine == "vmap" and not finetune and self.manifest.bn != "batch":
+        if self.batched_evaluation and not finetune:
             scores = self.evaluate_clients(self.members, new.shared, new.local)
             evaluated = {j: (score, score) for j, score in zip(self.members, scores, strict=True)}
         else:
@@ -459,6 +459,12 @@ class Fleet:
         for row in range(len(members)):
             yield ({n: stacked[n][row] for n in self.shared_names},
                    {n: stacked[n][row].clone() for n in self.local_names})
+
+    @property
+    def batched_evaluation(self) -> bool:
+        """Whether rounds evaluate every client in one vmapped pass: the vmap engine on CUDA, with running BatchNorm
+        statistics (on a CPU the grouped convolutions it becomes were no faster than one client at a time)."""
+        return self.engine == "vmap" and self.device.type == "cuda" and self.manifest.bn != "batch"
 
     @property
     def batched_channels_last(self) -> bool:
