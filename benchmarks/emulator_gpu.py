@@ -13,9 +13,11 @@ fits its share (--quick: one); a step whose warm-up alone spends its share is re
 (timed_rounds 0). A step that fails is recorded with its error and the next one runs; none starts once the
 budget is spent.
 
-Each row reports samples/s, the training FLOPs per sample (one forward and backward pass, counted by
-torch.utils.flop_counter.FlopCounterMode on the model, not a formula), the TFLOP/s that makes and its share of
-the GPU's dense peak in that precision (PEAK_TFLOPS; an unknown GPU or a CPU prints TFLOP/s alone), the peak
+Each row reports the seconds the warm-up round took beyond a timed one (warmup_extra_s: cuDNN's autotuning, the
+allocator's growth; a captured step's compilation, once there is one), samples/s, the training FLOPs per sample
+(one forward and backward pass, counted by torch.utils.flop_counter.FlopCounterMode on the model, not a formula),
+the TFLOP/s that makes and its share of the GPU's dense peak in that precision (PEAK_TFLOPS; an unknown GPU or a
+CPU prints TFLOP/s alone), the peak
 memory (CUDA: torch's peak allocation during the step; CPU: the process's peak resident memory so far), and
 Fig. 2's time extrapolated from the timed rounds: 100 rounds of the model's six runs (one run's round six times
 over, or the stacked round, which holds all six), and per engine and precision the grid of both models.
@@ -54,8 +56,8 @@ GRID = [(algorithm, kp, k) for k in (4, 8, 10) for algorithm, kp in (("fedavg", 
 # H200 SXM: TF32 tensor cores for float32; A100 SXM; L4; RTX 4090). The first name that the device's holds wins.
 PEAK_TFLOPS = {"H200": (494.7, 989.4), "H100": (494.7, 989.4), "A100": (156.0, 312.0), "L4": (60.0, 121.0),
                "RTX 4090": (82.6, 165.2)}
-HEADER = ("step", "engine", "precision", "model", "runs", "timed_rounds", "round_s", "samples_s", "gflop_sample",
-          "tflop_s", "peak_share", "peak_gib", "grid_min", "final_mean_accuracy")
+HEADER = ("step", "engine", "precision", "model", "runs", "timed_rounds", "round_s", "warmup_extra_s",
+          "samples_s", "gflop_sample", "tflop_s", "peak_share", "peak_gib", "grid_min", "final_mean_accuracy")
 
 
 def peak_tflops(device_name: str, precision: str = "float32") -> float | None:
@@ -107,9 +109,10 @@ def settings(data: str | None, quick: bool) -> tuple[DataConfig, dict[str, Any]]
     return DataConfig(dataset="npz", data=data, clients=10), {}  # FleetConfig's defaults: x1.0, E=4, B=128, lr 0.01
 
 
-def timed_rounds(round_once: Callable[[], None], share: float, most: int | None = None) -> tuple[float, int]:
+def timed_rounds(round_once: Callable[[], None], share: float, most: int | None = None) -> tuple[float, int, float]:
     """One warm-up round, then timed rounds (`most` at most) while another fits in `share` seconds from the start;
-    returns the mean seconds of a timed round (the warm-up's when none fitted) and how many were timed."""
+    returns the mean seconds of a timed round (the warm-up's when none fitted), how many were timed, and the
+    warm-up round's seconds."""
     start = time.perf_counter()
     round_once()
     _sync()
@@ -121,7 +124,7 @@ def timed_rounds(round_once: Callable[[], None], share: float, most: int | None 
         round_once()
         _sync()
         timed.append(time.perf_counter() - begun)
-    return (sum(timed) / len(timed) if timed else warm_up), len(timed)
+    return (sum(timed) / len(timed) if timed else warm_up), len(timed), warm_up
 
 
 def measure(model: str, precision: str, engine: str, data: str | None, device: str, quick: bool,
@@ -148,14 +151,16 @@ def measure(model: str, precision: str, engine: str, data: str | None, device: s
             states[0] = fleets[0].run_round(states[0])[0]
 
     _peak_reset()
-    round_s, timed = timed_rounds(round_once, share, 1 if quick else None)  # --quick proves the path
+    round_s, timed, warm_up = timed_rounds(round_once, share, 1 if quick else None)  # --quick proves the path
     cfg = fleets[0].config
     samples = sum(sum(fleet.data.n_train) for fleet in fleets) * cfg.local_epochs
     flops = training_flops_per_sample(model, cfg.width, fleets[0].data.input_size)
     tflops = samples * flops / round_s / 1e12
     peak = peak_tflops(_device_name(), precision)
-    return {"step": "paper", "engine": engine, "precision": precision, "model": model, "runs": len(fleets),
-            "timed_rounds": timed, "round_s": round_s, "samples_s": samples / round_s, "gflop_sample": flops / 1e9,
+    return {"step": "paper", "engine": engine, "precision": precision, "model": model,
+            "runs": len(fleets), "timed_rounds": timed, "round_s": round_s,
+            "warmup_extra_s": warm_up - round_s if timed else None,  # cuDNN's autotuning, allocator growth
+            "samples_s": samples / round_s, "gflop_sample": flops / 1e9,
             "tflop_s": tflops, "peak_share": None if peak is None else tflops / peak, "peak_gib": _peak_gib(),
             "grid_min": round_s * PAPER_ROUNDS * len(GRID) / len(fleets) / 60}
 

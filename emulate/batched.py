@@ -7,7 +7,8 @@ the clients whose current batch has the same size form one vmapped group (usuall
 clients with fewer samples drop out of the last steps of an epoch, and last batches are smaller).
 SGD (with optional momentum) is written out as torch.optim.SGD computes it, on stacked tensors.
 Freezing and the BatchNorm rule are the kernel's (fedper.training); BatchNorm running statistics
-are stacked buffers too, updated in place per client inside vmap.
+are stacked buffers too, updated in place per client inside vmap. Evaluation is batched the same way:
+every client's test split in one vmapped forward pass per chunk (evaluate_clients_batched).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from fedper.algorithms import Phase
+from fedper.batches import EVAL_BATCH
 from fedper.emulate.data import Images
 from fedper.emulate.train import BatchKey, OnStep, phase_batches
 from fedper.manifest import Manifest
@@ -43,11 +45,13 @@ def train_clients_batched(
     generators: Sequence[BatchKey],
     on_step: OnStep | None = None,
     on_rows: Callable[[list[int]], None] | None = None,
+    channels_last: bool = False,
 ) -> None:
     """Train every client's slice of `stacked` ({name: [clients, ...]}, all manifest tensors) in place;
     `generators` are the clients' batch keys (train.client_generator); `lr` one for all, or one per row
     (rows of stacked runs, emulate/stacked.py). `on_step` hears of each vmapped step with the number of
-    client-batches it took, as train_client counts them; `on_rows` with the rows it took."""
+    client-batches it took, as train_client counts them; `on_rows` with the rows it took. `channels_last`:
+    each sample handed over in NHWC memory order."""
     n_clients = len(train_idx)
     if not isinstance(lr, float | int):
         rates = list(lr)
@@ -83,13 +87,41 @@ def train_clients_batched(
                             if tuple(members) not in row_sets:
                                 row_sets[tuple(members)] = torch.tensor(members, device=x.device)
                             sample = samples[row_sets[tuple(members)], at:at + size]
+                        xb = x[sample]
+                        if channels_last:  # [G, B, C, H, W] with C innermost: each sample NHWC under vmap
+                            xb = xb.permute(0, 1, 3, 4, 2).contiguous().permute(0, 1, 4, 2, 3)
                         _step(batched_grad, model, stacked, velocity, names, members, n_clients,
-                              x[sample], y[sample], lr, momentum, row_sets.get(tuple(members)))
+                              xb, y[sample], lr, momentum, row_sets.get(tuple(members)))
                         if on_step is not None:
                             on_step(len(members))
                         if on_rows is not None:
                             on_rows(members)
     model.requires_grad_(True)
+
+
+@torch.no_grad()
+def evaluate_clients_batched(model: nn.Module, x: Images, y: torch.Tensor, test_idx: Sequence[torch.Tensor],
+                             stacked: dict[str, torch.Tensor], *, chunk: int = EVAL_BATCH) -> list[tuple[float, float]]:
+    """Each client's (accuracy, mean cross-entropy) as fedper.training.evaluate gives it (eval mode, BatchNorm's
+    running statistics), every client's row of `stacked` at once: one vmapped forward pass per `chunk` test
+    samples of every client (their index lists padded to the longest, the padding masked out), the sums kept on
+    the device and read once at the end. Not for batch statistics, which padding would change."""
+    model.eval()
+    lengths = torch.tensor([len(idx) for idx in test_idx], device=y.device)
+    padded = nn.utils.rnn.pad_sequence(list(test_idx), batch_first=True)  # [clients, longest], 0 past each end
+    valid = torch.arange(padded.shape[1], device=y.device) < lengths.unsqueeze(1)
+    forward = vmap(lambda tensors, xb: functional_call(model, tensors, (xb,)))
+    correct = torch.zeros(len(test_idx), dtype=torch.int64, device=y.device)
+    loss_sum = torch.zeros(len(test_idx), dtype=torch.float64, device=y.device)
+    for part, keep in zip(padded.split(chunk, dim=1), valid.split(chunk, dim=1), strict=True):
+        logits = forward(stacked, x[part])
+        labels = y[part]
+        losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
+        loss_sum += torch.where(keep, losses, 0).sum(1).double()
+        correct += ((logits.argmax(-1) == labels) & keep).sum(1)
+    n = lengths.tolist()
+    return [(c / m, s / m) if m else (float("nan"), float("nan"))
+            for c, s, m in zip(correct.tolist(), loss_sum.tolist(), n, strict=True)]
 
 
 def _epoch_samples(every: torch.Tensor, starts: list[int], batches: list[list[torch.Tensor]]) -> torch.Tensor:

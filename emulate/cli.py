@@ -76,7 +76,7 @@ def run_config(options: dict[str, Any]) -> RunConfig:
             model=o.model, width=o.width, algorithm=o.algorithm, kp=kp, local_epochs=o.local_epochs,
             batch_size=o.batch_size or PAPER_BATCH.get(o.dataset, 128), lr=o.lr, momentum=o.momentum, seed=o.seed,
             eval_finetune_epochs=o.eval_finetune_epochs, eval_finetune=o.eval_finetune, engine=o.engine,
-            channels_last=o.channels_last, precision=o.precision,
+            channels_last=o.channels_last, precision=o.precision, cuda_channels_last=o.cuda_channels_last,
             eval_finetune_every_algorithm=o.eval_finetune_every_algorithm,
             eval_finetune_interval=o.eval_finetune_interval, lr_decay=o.lr_decay,
             lr_milestones=parse_milestones(o.lr_milestones),
@@ -155,6 +155,8 @@ def run(
                                                   "same values to float32 rounding; not the vmap engine)"),
     precision: str = typer.Option("float32", help="float32 | bf16: forward and backward under bfloat16 autocast, "
                                                   "weights, SGD and BatchNorm statistics in float32 (for GPUs)"),
+    cuda_channels_last: bool = typer.Option(False, help="On CUDA, train on batches in NHWC memory order too (both "
+                                                        "engines; opt-in: not yet measured on a GPU)"),
     input_size: int | None = typer.Option(None, min=1, help="Image side in pixels (default: the data's; digits 32)"),
     scale: float = typer.Option(1.0, help="Fraction (<= 1) of the samples and rounds kept, for smoke runs"),
     out: Path = typer.Option(Path("runs/emulate"), help="Run directory: config.json, metrics.jsonl, "

@@ -15,8 +15,10 @@ local ones, trains its phases, and sends its shared tensors with n_j (training s
 takes the n_j-weighted mean over them (fedper.aggregation.WeightedMean, as the coordinator does).
 A client not selected keeps its local tensors as they were. Then every client, selected or not
 (FedBABU's Algorithm 2), is evaluated as it would serve: the NEW shared tensors + its own local ones, BatchNorm in eval
-mode, on its own test split (FedAvg: the global model). With `fine_tune_head_at_eval` (FedBABU,
-Algorithm 2 of Oh et al.) a copy is fine-tuned on the client's train data first and discarded.
+mode, on its own test split (FedAvg: the global model); the vmap engine on CUDA evaluates every client in one
+vmapped pass per chunk of test samples (batched.evaluate_clients_batched: the same accuracies). With
+`fine_tune_head_at_eval` (FedBABU, Algorithm 2 of Oh et al.) a copy is fine-tuned on the client's train data
+first and discarded.
 BatchNorm buffers are tensors like any other: shared ones averaged, local ones kept; the BatchNorm
 policy (`bn`) is the manifest's: "local" keeps every BatchNorm tensor local (FedBN), "batch"
 evaluates with the statistics of each batch of fedper.batches.EVAL_BATCH test samples (the agents'
@@ -50,7 +52,7 @@ from fedper import checkpoint
 from fedper.aggregation import WeightedMean
 from fedper.algorithms import ALGORITHMS, Algorithm, Phase, Trained, check_kp, get_algorithm
 from fedper.batches import PURPOSE_FINETUNE, PURPOSE_TRAIN, client_seed
-from fedper.emulate.batched import train_clients_batched
+from fedper.emulate.batched import evaluate_clients_batched, train_clients_batched
 from fedper.emulate.data import FleetData
 from fedper.emulate.distributed import as_float64, combine, gather
 from fedper.emulate.train import OnStep, client_generator, epoch_steps, train_client
@@ -102,6 +104,7 @@ class FleetConfig:
     channels_last: bool = True  # batches in NHWC order on the CPU (train.train_client): faster, same values
     # "bf16": forward and backward under autocast to bfloat16; weights, SGD and BatchNorm statistics stay float32
     precision: str = "float32"
+    cuda_channels_last: bool = False  # batches in NHWC order on CUDA too (both engines): opt-in, not yet measured
     clients_per_round: int | None = None  # None: every client trains in every round
     bn: str = "shared"  # the BatchNorm policy (fedper.manifest.BN_POLICIES): shared | local (FedBN) | batch (FedBABU)
     # "random": each client's local tensors are its own random draw keyed by (seed, client), where the
@@ -208,7 +211,8 @@ class Fleet:
             raise ValueError(f"the fine-tuning interval must be >= 1 round, got {config.eval_finetune_interval}")
         batched = config.engine == "vmap" or (config.engine == "auto" and self.device.type == "cuda")
         self.engine = "vmap" if batched else "sequential"
-        self.channels_last = config.channels_last and self.device.type == "cpu"  # CUDA: cuDNN's choice stays
+        # NHWC batches: the CPU's default (oneDNN); on CUDA opt-in (cuDNN's own choice stays unless asked)
+        self.channels_last = config.channels_last if self.device.type == "cpu" else config.cuda_channels_last
         self.dp = config.dp_noise_multiplier is not None
         self.private_names = private_tensor_names(self.manifest)
         self.expected_participants = min(config.clients_per_round or len(data.clients), len(data.clients))
@@ -337,7 +341,11 @@ class Fleet:
             shared = combine(aggregate, state.shared)
         new = FleetState(round=state.round + 1, shared=shared, local=local, seed=state.seed, privacy=privacy)
         finetune = self.finetunes_at_eval and new.round % self.config.eval_finetune_interval == 0
-        evaluated = {j: self._evaluate(new, j, finetune, on_step) for j in self.members}
+        if self.batched_evaluation and not finetune:
+            scores = self.evaluate_clients(self.members, new.shared, new.local)
+            evaluated = {j: (score, score) for j, score in zip(self.members, scores, strict=True)}
+        else:
+            evaluated = {j: self._evaluate(new, j, finetune, on_step) for j in self.members}
         results = gather({j: after for j, (_, after) in evaluated.items()})
         accuracy = [a for a, _ in results]
         fine_tuning = {}
@@ -442,16 +450,31 @@ class Fleet:
                 yield ({n: trained[n].detach().clone() for n in self.shared_names},
                        {n: trained[n].detach().clone() for n in self.local_names})
             return
-        stacked = {n: torch.stack([shared[n]] * len(members)) for n in self.shared_names}
-        stacked |= {n: torch.stack([local[j][n] for j in members]) for n in self.local_names}
+        stacked = self.stack(shared, local, members)
         generators = [client_generator(seed, round_, j, PURPOSE_TRAIN) for j in members]
         with self.compute():
             train_clients_batched(self.model, self.manifest, phases, d.x, d.y, [d.clients[j][0] for j in members],
                                   stacked, generators=generators, on_step=on_step,
-                                  **self.train_settings(round_ + 1))
+                                  channels_last=self.batched_channels_last, **self.train_settings(round_ + 1))
         for row in range(len(members)):
             yield ({n: stacked[n][row] for n in self.shared_names},
                    {n: stacked[n][row].clone() for n in self.local_names})
+
+    @property
+    def batched_evaluation(self) -> bool:
+        """Whether rounds evaluate every client in one vmapped pass: the vmap engine on CUDA, with running BatchNorm
+        statistics (on a CPU the grouped convolutions it becomes were no faster than one client at a time)."""
+        return self.engine == "vmap" and self.device.type == "cuda" and self.manifest.bn != "batch"
+
+    @property
+    def batched_channels_last(self) -> bool:
+        """The vmap engine's batches in NHWC order: on CUDA when asked (on a CPU its float32 path stays NCHW)."""
+        return self.device.type == "cuda" and self.config.cuda_channels_last
+
+    def stack(self, shared: Tensors, local: Sequence[Tensors], members: Sequence[int]) -> Tensors:
+        """`members`' tensors along a leading client axis: `shared` repeated, each one's own `local[j]`."""
+        stacked = {n: torch.stack([shared[n]] * len(members)) for n in self.shared_names}
+        return stacked | {n: torch.stack([local[j][n] for j in members]) for n in self.local_names}
 
     @property
     def finetunes_at_eval(self) -> bool:
@@ -466,6 +489,15 @@ class Fleet:
         with self.compute():
             return evaluate(self.model, self.data.x, self.data.y, self.data.clients[j][1],
                             batch_statistics=self.manifest.bn == "batch")
+
+    def evaluate_clients(self, members: Sequence[int], shared: Tensors,
+                         local: Sequence[Tensors]) -> list[tuple[float, float]]:
+        """evaluate_client of each of `members`, all in vmapped forward passes (the vmap engine's evaluation;
+        running BatchNorm statistics only: batch statistics would see the padding of shorter test splits)."""
+        with self.compute():
+            return evaluate_clients_batched(self.model, self.data.x, self.data.y,
+                                            [self.data.clients[j][1] for j in members],
+                                            self.stack(shared, local, members))
 
     def _evaluate(self, state: FleetState, j: int, finetune: bool,
                   on_step: OnStep | None = None) -> tuple[tuple[float, float], tuple[float, float]]:

@@ -32,7 +32,8 @@ Signature = tuple
 
 def step_signature(fleet: Fleet) -> Signature:
     """What rows of a stacked step must share: the model's tensors, and per phase its trained tensors, epochs and
-    the BatchNorm layers that track statistics; the batch size, momentum, data type and device."""
+    the BatchNorm layers that track statistics; the batch size, momentum, data type, device, precision and
+    layout."""
     cfg, model = fleet.config, fleet.model
     phases = []
     for phase in fleet.algorithm.phases:
@@ -43,7 +44,7 @@ def step_signature(fleet: Fleet) -> Signature:
     model.requires_grad_(True)
     tensors = tuple((n, tuple(t.shape), t.dtype) for n, t in model.state_dict().items())
     return (type(model).__name__, tensors, tuple(phases), cfg.batch_size, cfg.momentum, str(fleet.device),
-            fleet.data.x.dtype, cfg.precision)
+            fleet.data.x.dtype, cfg.precision, fleet.batched_channels_last)
 
 
 def row_bytes(fleet: Fleet) -> int:
@@ -158,7 +159,7 @@ def _train_rows(fleets: Sequence[Fleet], states: Sequence[FleetState], rows: lis
             local_epochs=settings[0]["local_epochs"], batch_size=settings[0]["batch_size"],
             lr=[s["lr"] for s in settings], momentum=settings[0]["momentum"],
             generators=[client_generator(states[i].seed, states[i].round, j, PURPOSE_TRAIN) for i, j in rows],
-            on_rows=report)
+            on_rows=report, channels_last=first.batched_channels_last)
     for r, (i, j) in enumerate(rows):
         fleet = fleets[i]
         trained[i][j] = ({n: stacked[n][r] for n in fleet.shared_names},

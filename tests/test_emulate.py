@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from fedper.algorithms import ALGORITHMS
 from fedper.batches import PURPOSE_TRAIN
+from fedper.emulate.batched import evaluate_clients_batched
 from fedper.emulate.cli import app
 from fedper.emulate.data import DataConfig, FleetData
 from fedper.emulate.experiment import STATE, RunConfig, run_experiment
@@ -373,3 +374,35 @@ def test_figure_babu_is_fedbabus_setting_with_two_client_fractions(tmp_path):
         metrics = [json.loads(x) for x in (r / "metrics.jsonl").read_text().splitlines()]
         assert [len(m["selected"]) for m in metrics] == [c.fleet.clients_per_round]
         assert [len(m["accuracy"]) for m in metrics] == [5]
+
+
+def unequal_tests(data: FleetData, extra: list[int]) -> FleetData:
+    """`data` with client j's test split grown by extra[j] samples of the others' training data: splits of
+    unequal lengths, so the batched evaluation pads and masks."""
+    trains = [tr for tr, _ in data.clients]
+    pool = torch.cat(trains)
+    return dataclasses.replace(data, clients=[(tr, torch.cat([te, pool[-n:]]) if n else te)
+                                              for (tr, te), n in zip(data.clients, extra, strict=True)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_batched_evaluation_equals_the_per_client_one(dtype):
+    """The vmap engine evaluates every client in one vmapped pass per chunk: each client's accuracy is the
+    per-client evaluation's (fedper.training.evaluate) exactly, its loss to the dtype's rounding, whatever the
+    lengths of the test splits and the chunk (a chunk boundary inside one client's split and past another's)."""
+    data = unequal_tests(synthetic([17, 9, 24]), [0, 5, 13])
+    data = dataclasses.replace(data, x=data.x.to(dtype))
+    fleet = Fleet(FleetConfig(algorithm="fedper", kp=2, engine="vmap", **TINY), data)
+    fleet.model.to(dtype)
+    fleet.initial = {n: t.to(dtype) for n, t in fleet.initial.items()}
+    state, _ = run_rounds(fleet, 1)  # trained, and every client with its own head
+    reference = [fleet.evaluate_client(j, state.shared, state.local[j]) for j in range(3)]
+    assert len({a for a, _ in reference}) > 1  # the clients' own heads score differently: rows are not mixed up
+    stacked = fleet.stack(state.shared, state.local, [0, 1, 2])
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+    for chunk in (256, 7):
+        batched = evaluate_clients_batched(fleet.model, data.x, data.y, [te for _, te in data.clients], stacked,
+                                           chunk=chunk)
+        assert [a for a, _ in batched] == [a for a, _ in reference]
+        assert np.allclose([loss for _, loss in batched], [loss for _, loss in reference], rtol=tolerance, atol=0)
+    assert not fleet.batched_evaluation  # rounds use it on CUDA; on a CPU it is no faster than a loop

@@ -58,6 +58,15 @@ def test_channels_last_is_the_cpu_default():
     assert FleetConfig().channels_last and fleet.channels_last
 
 
+def test_cuda_channels_last_leaves_the_cpu_paths_alone():
+    """--cuda-channels-last is for CUDA: a CPU keeps --channels-last's choice (sequential engine) and NCHW (vmap)."""
+    data = learnable([8, 8])
+    for channels_last in (True, False):
+        config = FleetConfig(cuda_channels_last=True, channels_last=channels_last, **TINY)
+        assert Fleet(config, data).channels_last is channels_last
+        assert not Fleet(FleetConfig(cuda_channels_last=True, engine="vmap", **TINY), data).batched_channels_last
+
+
 def test_a_channels_last_step_is_the_nchw_step_to_float32_rounding():
     """One step (one batch of 24) from the same tensors: the change of every tensor, BatchNorm's running
     statistics included, agrees to 1e-2 in norm (1.4e-3 measured; BatchNorm scales, whose step is ~1e-6,

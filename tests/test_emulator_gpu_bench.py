@@ -31,6 +31,7 @@ def test_quick_benchmark_writes_every_row_with_positive_figures(tmp_path: Path) 
         assert all(isinstance(row[c], float) and row[c] > 0 for c in MEASURED), row
         assert row["peak_share"] is None  # a CPU has no peak in the table: TFLOP/s alone
         assert row["runs"] == (6 if row["engine"] == "stacked" else 1)
+        assert isinstance(row["warmup_extra_s"], float)  # the first round's cost beyond a timed one
         # the grid's 6 runs x 100 rounds of a model, from the measured round
         assert abs(row["grid_min"] * 60 - row["round_s"] * 100 * 6 / row["runs"]) < 1e-6 * row["grid_min"] * 60
     # FLOPs are counted per model, whatever the engine or precision; ResNet-34 costs more than MobileNet-v1
@@ -44,4 +45,5 @@ def test_quick_benchmark_writes_every_row_with_positive_figures(tmp_path: Path) 
     assert all(0 <= r["final_mean_accuracy"] <= 1 for r in reduced)
     table = (tmp_path / "emulator_gpu.md").read_text()
     header = next(line for line in table.splitlines() if line.startswith("| step"))
-    assert all(f" {c} " in header for c in ("samples_s", "tflop_s", "peak_share", "peak_gib", "grid_min"))
+    assert all(f" {c} " in header for c in ("samples_s", "tflop_s", "peak_share", "peak_gib", "grid_min",
+                                            "warmup_extra_s"))
