@@ -345,8 +345,8 @@ def demo(
         "--pretrain-classes classes, and the fleet gets only the other classes (--max-samples of them)."),
     pretrain_classes: int = typer.Option(6, min=1, help="--warm-start: classes, in label order, the base is "
                                                         "pretrained on; the fleet gets the rest."),
-    pretrain_samples: int = typer.Option(6000, min=10, help="--warm-start: pretrain on at most this many images."),
-    pretrain_epochs: int = typer.Option(3, min=1, help="--warm-start: pretraining epochs."),
+    pretrain_samples: int = typer.Option(12000, min=10, help="--warm-start: pretrain on at most this many images."),
+    pretrain_epochs: int = typer.Option(4, min=1, help="--warm-start: pretraining epochs."),
     pretrain_lr: float = typer.Option(0.05, min=0.0, help="--warm-start: pretraining learning rate "
                                                            "(SGD, momentum 0.9, batch 64)."),
     base_model: Path = typer.Option(None, "--base", help="--warm-start: start the fleet from this base (an "
