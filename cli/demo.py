@@ -8,10 +8,12 @@ writes a plot. Child processes are killed on success, failure and Ctrl-C alike.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -37,6 +39,7 @@ class Device:
     classes: list[str]
     n_train: int
     y_test: np.ndarray
+    page: bool = False  # the web agent's page in a headless chromium, not a fedper-agent
 
 
 def load_dataset(dataset: str, data: Path | None):
@@ -116,20 +119,61 @@ def follow(proc: subprocess.Popen, metrics_file: Path, field: str, key: str, rou
     board.report({"event": "end", "run": key})
 
 
-def write_devices(train, n: int, k: int, seed: int, folder: Path) -> list[Device]:
-    """The paper's split: each device at most k classes, its own 80/20 train/test with the same classes."""
+def write_devices(train, n: int, k: int, seed: int, folder: Path, page: bool = False) -> list[Device]:
+    """The paper's split: each device at most k classes, its own 80/20 train/test with the same classes; with
+    `page`, the last device is the web agent's page."""
     from fedper.data import split_k_classes, split_train_test
 
     folder.mkdir(parents=True, exist_ok=True)
     parts = split_train_test(split_k_classes(train.y, n, k, seed), train.y, 0.2, seed)
     devices = []
     for i, (tr, te) in enumerate(parts):
+        if page and i == n - 1:
+            devices.append(write_page_images(train, np.concatenate([tr, te]), seed, folder / f"page-{i}"))
+            continue
         path = folder / f"dev-{i}.npz"
         np.savez(path, x_train=train.x[tr], y_train=train.y[tr], x_test=train.x[te], y_test=train.y[te],
                  classes=np.array(train.classes))
         held = [train.classes[c] for c in sorted(set(train.y[tr]))]
         devices.append(Device(f"dev-{i}", path, held, len(tr), train.y[te]))
     return devices
+
+
+def write_page_images(train, indices: np.ndarray, seed: int, folder: Path) -> Device:
+    """The page's device: its images as PNG files in class folders, what a phone's file picker hands over. The page
+    splits them itself (web/src/dataset.js: sorted by class name then file name, then fedper.data.split_train_test
+    with its seed); the same split drawn here gives its test labels, hence its chance line."""
+    from PIL import Image
+
+    from fedper.data import split_train_test
+
+    shutil.rmtree(folder, ignore_errors=True)
+    order = sorted(indices, key=lambda i: (train.classes[train.y[i]], f"{i:05d}.png"))
+    for i in order:
+        (folder / train.classes[train.y[i]]).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(train.x[i]).save(folder / train.classes[train.y[i]] / f"{i:05d}.png")
+    labels = train.y[order]
+    [(tr, te)] = split_train_test([np.arange(len(labels))], labels, 0.2, seed)
+    held = [train.classes[c] for c in sorted(set(labels))]
+    return Device(folder.name, folder, held, len(tr), labels[te], page=True)
+
+
+def page_driver() -> tuple[Path | None, str]:
+    """The browser tests' driver of the page (web/test/browser/drive.mjs: puppeteer-core and Debian's chromium), or
+    None and why the page cannot take part here."""
+    from fedper.web import web_root
+
+    driver = web_root().parent / "test" / "browser" / "drive.mjs"
+    chromium = Path(os.environ.get("CHROMIUM", "/usr/bin/chromium"))
+    if not chromium.is_file():
+        return None, f"no chromium at {chromium} (make chromium, or CHROMIUM=PATH)"
+    if shutil.which("node") is None:
+        return None, "node is not installed"
+    if not driver.is_file() or not (web_root().parent / "node_modules" / "puppeteer-core").is_dir():
+        return None, "the page's driver (web/test/browser/drive.mjs, puppeteer-core) needs a checkout with make web"
+    if not (web_root() / "index.html").is_file():
+        return None, "the page is not built (make web)"
+    return driver, ""
 
 
 class Processes:
@@ -139,9 +183,12 @@ class Processes:
         self.running: list[tuple[str, subprocess.Popen, Path]] = []
 
     def start(self, name: str, args: list[str], log: Path) -> subprocess.Popen:
+        """A fedper command (`args` after `fedper`)."""
+        return self.spawn(name, [sys.executable, "-m", "fedper.cli", *args], log)
+
+    def spawn(self, name: str, argv: list[str], log: Path) -> subprocess.Popen:
         with open(log, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "fedper.cli", *args], stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.running.append((name, proc, log))
         return proc
 
@@ -165,10 +212,32 @@ class Processes:
         self.running.clear()
 
 
+def wait_listening(port: int, proc: subprocess.Popen, procs: Processes, timeout: float = 120.0) -> None:
+    """Until something accepts connections on 127.0.0.1:port (the coordinator's page server)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        procs.check()
+        with contextlib.suppress(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"the coordinator did not serve the page on port {port} in {timeout:.0f} s")
+
+
+def page_accuracy(log: Path) -> float:
+    """The page's final personalized accuracy, from the driver's JSON line (its last line)."""
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.startswith("{")]
+    result = json.loads(lines[-1]) if lines else {"error": "the driver printed no result"}
+    if "error" in result or result.get("final") is None:
+        raise RuntimeError(f"the page did not finish: {result.get('error')}; its log: {result.get('log', [])[-5:]}")
+    return float(result["final"])
+
+
 def run_fleet(name: str, algorithm: str, kp: int, devices: list[Device], classes: list[str], out: Path, port: int,
               opts: dict, procs: Processes, board: Board, init: Path | None = None) -> dict:
     """One federated run through real processes, from `init`'s weights or the seeded random ones; returns
-    per-round means and per-device final accuracy."""
+    per-round means and per-device final accuracy. The coordinator sends the training settings with each round
+    (the page obeys them as the agents do); a page device joins through the coordinator's page server."""
     from fedper.export.exporter import export_artifacts
 
     folder = out / name
@@ -182,22 +251,32 @@ def run_fleet(name: str, algorithm: str, kp: int, devices: list[Device], classes
         shutil.rmtree(previous, ignore_errors=True)
     broker = f"mqtt://127.0.0.1:{port}"
     fleet = f"demo-{name}-{os.getpid()}"
+    pages = [d for d in devices if d.page]
+    web = ["--web-port", str(web_port := free_port()), "--web-host", "127.0.0.1", "--web-broker",
+           f"ws://127.0.0.1:{opts['ws_port']}/"] if pages else []
     coordinator = procs.start("coordinator", [
         "coordinator", "--artifacts", str(artifacts), "--fleet", fleet, "--rounds", str(opts["rounds"]),
         "--min-clients", str(len(devices)), "--round-timeout", "600", "--state-dir", str(state),
-        "--broker", broker, "--mqtt-version", "3.1.1"], folder / "coordinator.log")
+        "--broker", broker, "--mqtt-version", "3.1.1", "--lr", str(opts["lr"]), "--local-epochs",
+        str(opts["local_epochs"]), "--batch-size", str(opts["batch_size"]), *web], folder / "coordinator.log")
     agents = [procs.start(d.name, [
         "agent", "--artifacts", str(artifacts), "--data", str(d.data), "--broker", broker, "--fleet", fleet,
-        "--client-id", d.name, "--state-dir", str(folder / "agents" / d.name), "--local-epochs",
-        str(opts["local_epochs"]), "--batch-size", str(opts["batch_size"]), "--lr", str(opts["lr"]),
-        "--seed", str(opts["seed"]), "--mqtt-version", "3.1.1"], folder / f"{d.name}.log") for d in devices]
+        "--client-id", d.name, "--state-dir", str(folder / "agents" / d.name), "--seed", str(opts["seed"]),
+        "--mqtt-version", "3.1.1"], folder / f"{d.name}.log") for d in devices if not d.page]
+    if pages:
+        wait_listening(web_port, coordinator, procs)
+        agents += [procs.spawn(d.name, [
+            "node", str(opts["page_driver"]), f"http://127.0.0.1:{web_port}/?device={d.name}&seed={opts['seed']}",
+            str(d.data), "0", str(PAGE_TIMEOUT_S)], folder / f"{d.name}.log") for d in pages]
     metrics_file = state / "metrics.jsonl"  # a closed round: the devices measured the model served at its start
     follow(coordinator, metrics_file, "accuracy_mean", key, opts["rounds"], procs, board, tuple(agents))
     rounds = [json.loads(line) for line in metrics_file.read_text().splitlines()]
-    final = {d.name: json.loads((folder / "agents" / d.name / "final.json").read_text())["accuracy"] for d in devices}
+    final = {d.name: page_accuracy(folder / f"{d.name}.log") if d.page else
+             json.loads((folder / "agents" / d.name / "final.json").read_text())["accuracy"] for d in devices}
     return {"round_mean": [r["accuracy_mean"] for r in rounds], "final": final}
 
 
+PAGE_TIMEOUT_S = 3600  # the driver's bound on the page's whole run
 NAMES = {"fedper": "FedPer", "fedavg": "FedAvg", "warm": "FedPer, warm start", "cold": "FedPer, random start"}
 
 
@@ -266,30 +345,43 @@ def demo(
         "--pretrain-classes classes, and the fleet gets only the other classes (--max-samples of them)."),
     pretrain_classes: int = typer.Option(6, min=1, help="--warm-start: classes, in label order, the base is "
                                                         "pretrained on; the fleet gets the rest."),
-    pretrain_samples: int = typer.Option(6000, min=10, help="--warm-start: pretrain on at most this many images."),
-    pretrain_epochs: int = typer.Option(3, min=1, help="--warm-start: pretraining epochs."),
+    pretrain_samples: int = typer.Option(12000, min=10, help="--warm-start: pretrain on at most this many images."),
+    pretrain_epochs: int = typer.Option(4, min=1, help="--warm-start: pretraining epochs."),
     pretrain_lr: float = typer.Option(0.05, min=0.0, help="--warm-start: pretraining learning rate "
                                                            "(SGD, momentum 0.9, batch 64)."),
+    base_model: Path = typer.Option(None, "--base", help="--warm-start: start the fleet from this base (an "
+                                    "emulator run folder or a checkpoint: what fedper-export --init takes) instead "
+                                    "of pretraining one; --pretrain-samples/-epochs/-lr then do nothing."),
+    with_page: bool = typer.Option(
+        False, "--with-page", help="The last device is the web agent's page, opened in a headless chromium (the "
+        "browser tests' driver, web/test/browser/drive.mjs) and given its images through the file picker; "
+        "without chromium, node or the built page it runs as a fedper-agent, and the demo says why."),
 ) -> None:
     """Run FedPer and then FedAvg (or, with --warm-start, FedPer from a pretrained base and from random weights)
     through a broker, a coordinator and real agents; compare per device."""
     from fedper.coordinator.broker import EmbeddedBroker
     from fedper.data import DataError
+    from fedper.models.warm_start import CheckpointError
 
     opts = {"rounds": rounds, "local_epochs": local_epochs, "batch_size": batch_size, "lr": lr, "width": width,
-            "seed": seed, "pretrain_epochs": pretrain_epochs, "pretrain_lr": pretrain_lr}
+            "seed": seed, "pretrain_epochs": pretrain_epochs, "pretrain_lr": pretrain_lr, "ws_port": free_port()}
+    if with_page:
+        opts["page_driver"], missing = page_driver()
+        if missing:
+            console.print(f"[yellow]--with-page: {missing}; dev-{devices - 1} runs as a fedper-agent[/]")
+            with_page = False
     try:
         train = load_dataset(dataset, data)
         if warm_start:
             base, train = split_classes(train, pretrain_classes)
             base = at_most(base, pretrain_samples, seed)
         train = at_most(train, max_samples, seed)
-        fleet = write_devices(train, devices, classes_per_device, seed, out / "data")
+        fleet = write_devices(train, devices, classes_per_device, seed, out / "data", with_page)
     except DataError as e:
         console.print(f"[red]fedper demo:[/] {e}")
         raise typer.Exit(2) from None
     port = free_port()
-    broker = EmbeddedBroker("127.0.0.1", port).start()
+    broker = EmbeddedBroker("127.0.0.1", port, ws_port=opts["ws_port"] if with_page else None).start()
     procs = Processes()
     results: dict[str, dict] = {}
     started = time.monotonic()
@@ -298,7 +390,7 @@ def demo(
             runs: tuple[tuple[str, str, int, Path | None], ...] = (
                 ("fedper", "fedper", kp, None), ("fedavg", "fedavg", 0, None))
             if warm_start:
-                init = pretrain(base, out, opts, procs, board)
+                init = base_model or pretrain(base, out, opts, procs, board)
                 procs.stop_all()
                 runs = (("warm", "fedper", kp, init), ("cold", "fedper", kp, None))
             for name, algorithm, cut, start in runs:
@@ -308,7 +400,7 @@ def demo(
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping every process[/]")
         raise typer.Exit(130) from None
-    except RuntimeError as e:
+    except (RuntimeError, CheckpointError) as e:  # a --base that does not load: one line
         console.print(f"[red]fedper demo failed:[/] {e}")
         raise typer.Exit(1) from None
     finally:
@@ -327,7 +419,12 @@ def demo(
     table.add_row("mean", "", "", *(f"{np.mean(list(results[a]['final'].values())):.3f}" for a in results),
                   f"{np.mean(chances):.3f}")
     Console().print(table)
-    if warm_start:
+    for d in fleet:
+        if d.page:
+            Console().print(f"{d.name} is the web agent's page in a headless chromium, its images from the file picker")
+    if warm_start and base_model:
+        Console().print(f"warm start: from {base_model}; the fleet holds only {', '.join(train.classes)}")
+    elif warm_start:
         summary = json.loads((out / "pretrain" / "run" / "summary.json").read_text())
         Console().print(f"warm start: MobileNet-v1 pretrained on {', '.join(base.classes)} ({len(base)} images, "
                         f"{pretrain_epochs} epochs; {summary['final_mean_accuracy']:.3f} on its held-out 10 %); "

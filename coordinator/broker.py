@@ -19,6 +19,7 @@ from fedper.coordinator.logs import log
 
 TAKEOVER = re.compile(r"Client (.+) is (already connected, performing take-over|reconnecting too quickly)")
 TAKEOVER_SAID_EVERY_S = 60.0
+MAX_MQTT_PACKET = 268_435_460  # MQTT's largest packet: 256 MiB of remaining length and its 5-byte fixed header
 
 
 class _Takeovers(logging.Handler):
@@ -127,9 +128,15 @@ def _own_retained(broker: type) -> type:
     """amqtt's `broker` (imported only when one runs), fixed: amqtt 0.12 sends a client that connects the retained
     messages matching every client's subscriptions (meant for a resumed session's own), so a device got the other
     devices' registrations, and the open round's RoundInfo and model twice, and sent its update twice. Here a
-    retained message goes only to a session subscribed to it."""
+    retained message goes only to a session subscribed to it. And its WebSocket listener took messages of at most
+    1 MiB (websockets' default) and closed the connection on a larger one; mqtt.js joins the packets it has queued
+    into one message, so the page's update of a MobileNet-v1 at width 0.5 (a few MB in 63 KiB chunks) cut its
+    connection at every send. Here a message may be as large as one MQTT packet."""
 
     class OwnRetained(broker):  # type: ignore[misc, valid-type]
+        async def ws_connected(self, websocket: Any, listener_name: str) -> None:
+            websocket.protocol.max_size = MAX_MQTT_PACKET
+            await super().ws_connected(websocket, listener_name)
         async def _publish_retained_messages_for_subscription(self, subscription: tuple[str, int],
                                                               session: Any) -> None:
             holders = self._subscriptions.get(subscription[0], ())

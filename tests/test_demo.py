@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -15,15 +16,15 @@ import pytest
 SMALL = ["--devices", "2", "--rounds", "1", "--max-samples", "240", "--width", "0.25", "--classes-per-device", "2"]
 
 
-def leftovers(marker: Path) -> list[str]:
-    """Command lines of live fedper processes that mention this run's folder (the demo's children do)."""
+def leftovers(marker: Path, program: str = "fedper.cli") -> list[str]:
+    """Command lines of live processes of `program` that mention this run's folder (the demo's children do)."""
     found = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if str(marker) in text and "fedper.cli" in text:
+        if str(marker) in text and program in text:
             found.append(text)
     return found
 
@@ -139,3 +140,41 @@ def test_warm_start_needs_classes_left_for_the_fleet(tmp_path: Path) -> None:
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode != 0
     assert "--pretrain-classes must leave the fleet two classes or more" in output
+
+
+def page_missing() -> str:
+    from fedper.cli.demo import page_driver
+
+    return page_driver()[1]
+
+
+@pytest.mark.skipif(bool(page_missing()), reason=page_missing() or "")
+def test_warm_start_demo_with_the_page_as_a_device(tmp_path: Path) -> None:
+    """--with-page: the last device is the web agent's page in chromium. It trains from each fleet's own export
+    (every round folds all three updates, and the coordinator refuses one of another base), it reports its
+    personalized accuracy, which the demo's table and results.json carry, and the chance line the demo prints
+    for it (drawn in Python from the images it was given) is the one the page shows beside its accuracy."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "fedper.cli", "demo", "--warm-start", "--with-page", "--devices",
+                             "3", "--rounds", "1", "--max-samples", "240", "--width", "0.25", "--classes-per-device",
+                             "2", "--pretrain-samples", "300", "--pretrain-epochs", "1", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output, _ = proc.communicate(timeout=500)
+    assert proc.returncode == 0, output
+    results = json.loads((out / "results.json").read_text())
+    images = sorted(p.parent.name for p in (out / "data" / "page-2").glob("*/*.png"))
+    assert len(images) >= 40 and set(images) <= {"6", "7", "8", "9"}
+    for run in ("warm", "cold"):
+        assert set(results[run]["final"]) == {"dev-0", "dev-1", "page-2"}
+        rounds = [json.loads(line) for line in (out / run / "coordinator" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["participants"] for r in rounds] == [3], rounds
+        driven = json.loads((out / run / "page-2.log").read_text().splitlines()[-1])
+        finished = [line for line in driven["log"] if "finished after 1 rounds" in line]
+        assert finished, driven["log"]
+        accuracy, chance = re.search(r"personalized accuracy ([\d.]+) \((.+)\)$", finished[-1]).groups()
+        assert results[run]["final"]["page-2"] == pytest.approx(float(accuracy), abs=5e-5)
+        assert f"  page-2: {chance}" in output, (chance, output)
+        assert any("training as the coordinator says: lr 0.05, 1 local epoch(s), batch 32" in line
+                   for line in driven["log"]), driven["log"]
+    assert "page-2 is the web agent's page" in output
+    assert leftovers(out) == [] and leftovers(out, "drive.mjs") == []

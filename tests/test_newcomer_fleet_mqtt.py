@@ -223,3 +223,43 @@ def test_the_embedded_broker_sends_a_retained_message_only_to_its_subscribers() 
             c.loop_stop()
             c.disconnect()
     assert seen == ["fedper/v1/lab/round"]  # once, and never another device's registration
+
+
+def mqtt_packet(kind: int, body: bytes) -> bytes:
+    """An MQTT 3.1.1 packet by hand: the fixed header's type byte, the remaining length (a varint), the body."""
+    length, size = b"", len(body)
+    while True:
+        size, digit = size // 128, size % 128
+        length += bytes([digit | (128 if size else 0)])
+        if not size:
+            return bytes([kind]) + length + body
+
+
+def test_the_embedded_broker_takes_a_websocket_message_of_many_packets_over_one_mib() -> None:
+    """mqtt.js (the page) joins the packets it has queued into one WebSocket message: the page's update of a
+    MobileNet-v1 at width 0.5 came as one message of over 1 MiB, and amqtt's listener (websockets' 1 MiB default)
+    closed the connection at every send. 24 PUBLISH packets of 63 KiB in one message reach a TCP subscriber."""
+    from websockets.sync.client import connect
+
+    port, ws_port, seen = free_port(), free_port(), []
+    with EmbeddedBroker("127.0.0.1", port, ws_port=ws_port):
+        subscriber = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, "coordinator", protocol=mqtt.MQTTv311)
+        subscriber.on_message = lambda c, userdata, message: seen.append(len(message.payload))
+        subscriber.connect("127.0.0.1", port)
+        subscriber.subscribe("fedper/v1/lab/update/page", 0)
+        subscriber.loop_start()
+        time.sleep(0.5)
+        with connect(f"ws://127.0.0.1:{ws_port}/", subprotocols=["mqtt"]) as page:
+            page.send(mqtt_packet(0x10, b"\x00\x04MQTT\x04\x02\x00\x3c\x00\x04page"))  # CONNECT, clean session
+            assert page.recv(timeout=5)[:4] == b"\x20\x02\x00\x00"  # CONNACK, accepted
+            topic = b"fedper/v1/lab/update/page"
+            packet = mqtt_packet(0x30, len(topic).to_bytes(2, "big") + topic + bytes(63 * 1024))  # PUBLISH, QoS 0
+            message = packet * 24
+            assert len(message) > 2**20
+            page.send(message)
+            deadline = time.monotonic() + 20
+            while len(seen) < 24 and time.monotonic() < deadline:
+                time.sleep(0.1)
+        subscriber.loop_stop()
+        subscriber.disconnect()
+    assert seen == [63 * 1024] * 24

@@ -20,8 +20,9 @@ const deadline = Date.now() + Number(timeoutS) * 1000;
 const browser = await launch(ENGINE, Number(timeoutS));
 const result = { console: [], responsiveMs: [], idleMs: [], trainingStatus: [] };
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+let page;
 try {
-  const page = await browser.newPage();
+  page = await browser.newPage();
   page.on('console', (m) => result.console.push(`${m.type()}: ${m.text()}`));
   page.on('pageerror', (e) => result.console.push(`pageerror: ${e.message}`));
   await page.setViewport({ width: 412, height: 915, deviceScaleFactor: 1, isMobile: true, hasTouch: true });
@@ -90,6 +91,7 @@ try {
   result.device = await page.evaluate(() => window.fedper.device);
 } catch (e) {
   result.error = e.message;
+  result.log ??= await page?.evaluate(() => window.fedper?.lines).catch(() => undefined); // what the page said last
 } finally {
   await browser.close();
   console.log(JSON.stringify(result));
