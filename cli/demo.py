@@ -363,6 +363,9 @@ def demo(
     from fedper.data import DataError
     from fedper.models.warm_start import CheckpointError
 
+    for name, value in (("--lr", lr), ("--pretrain-lr", pretrain_lr)):
+        if value <= 0:  # the coordinator refuses it too, but only after the demo has built and started everything
+            raise typer.BadParameter(f"must be above 0, got {value}", param_hint=name)
     opts = {"rounds": rounds, "local_epochs": local_epochs, "batch_size": batch_size, "lr": lr, "width": width,
             "seed": seed, "pretrain_epochs": pretrain_epochs, "pretrain_lr": pretrain_lr, "ws_port": free_port()}
     if with_page:
