@@ -87,13 +87,17 @@ def blobs(messages: list[tuple[str, bytes]], prefix: str) -> dict[str, bytes]:
 Sent = dict[tuple[str, int], list[tuple[int, dict[str, np.ndarray]]]]
 
 
-def _updates(r: dict[str, Any], sent: Sent, pairs: list[tuple[str, int]]) -> tuple[list[str], list[int],
-                                                                                    list[dict[str, np.ndarray]]]:
-    """Problems, and the n_samples and tensors of the listed (device, round) updates from the devices' copies."""
+def _updates(r: dict[str, Any], sent: Sent, pairs: list[tuple[str, int]]
+             ) -> tuple[list[str], list[int], list[dict[str, np.ndarray]] | None]:
+    """Problems, and the n_samples and tensors of the listed (device, round) updates from the devices' copies
+    (None when one is missing); a problem too when the record's n_samples is not their sum."""
     missing = [f"{d}@{k}" for d, k in pairs if (d, k) not in sent]
     if missing:
-        return [f"round {r['round']}: updates listed that no device sent: {missing}"], [], []
-    return [], [sent[p][0][0] for p in pairs], [sent[p][0][1] for p in pairs]
+        return [f"round {r['round']}: updates listed that no device sent: {missing}"], [], None
+    n = [sent[p][0][0] for p in pairs]
+    problems = [] if sum(n) == r["n_samples"] else [
+        f"round {r['round']}: n_samples {r['n_samples']} != {sum(n)}, the sum of its updates'"]
+    return problems, n, [sent[p][0][1] for p in pairs]
 
 
 def _released(k: int, expected: dict[str, np.ndarray], candidates: list[bytes], what: str,
@@ -110,10 +114,8 @@ def check_mean_round(r: dict[str, Any], sent: Sent, models: dict[str, list[bytes
     """Synchronous round k: the model after it is sum(n_j u_j) / sum(n_j) over its participants."""
     k = r["round"]
     problems, n, updates = _updates(r, sent, [(d, k) for d in r["devices"]])
-    if problems:
+    if updates is None:
         return problems, 0
-    if sum(n) != r["n_samples"]:
-        problems.append(f"round {k}: n_samples {r['n_samples']} != {sum(n)}, the sum of its participants'")
     if not candidates:
         return problems, 0  # released while the capture was away (a broker restart): not checkable, not a violation
     weights = [min(nj, r.get("weight_cap") or float("inf")) for nj in n]
@@ -139,12 +141,11 @@ def check_version(r: dict[str, Any], sent: Sent, models: dict[str, list[bytes]],
     if staleness != buffer["staleness"] or any(s < 0 or s > buffer["max_staleness"] for s in staleness):
         problems.append(f"version {k}: staleness {buffer['staleness']} recorded, {staleness} by the rounds named")
     more, n, updates = _updates(r, sent, pairs)
-    if more:
-        return problems + more, 0
+    problems += more
+    if updates is None:
+        return problems, 0
     cap = r.get("weight_cap", float("inf"))
     weights = [min(nj, cap) for nj in n]
-    if sum(n) != r["n_samples"]:
-        problems.append(f"version {k}: n_samples {r['n_samples']} != {sum(n)}, the sum of its updates'")
     bases = [models.get(f"r{kj}", []) for _, kj in pairs] + [models.get(f"r{k}", [])]
     if not candidates or not all(bases):
         return problems, 0  # a model the capture missed (a broker restart): not checkable, not a violation
@@ -168,7 +169,7 @@ def check_dp_round(r: dict[str, Any], sent: Sent, models: dict[str, list[bytes]]
     clipped delta within 6 noise_std (an update left out or folded twice moves it by C / m)."""
     k, dp = r["round"], r["dp"]
     problems, _, updates = _updates(r, sent, [(d, k) for d in r["devices"]])
-    if problems:
+    if updates is None:
         return problems, 0
     c, std, m = dp["clip_norm"], dp["noise_std"], dp["expected_participants"]
     if not np.isclose(std, dp["noise_multiplier"] * c / m, rtol=1e-9):
@@ -211,10 +212,8 @@ def check_secure_round(r: dict[str, Any], sent: Sent, models: dict[str, list[byt
     each device rounds each value to a step of 2C / (2^b - 1), b = 32 - ceil(log2(devices in the session))."""
     k = r["round"]
     problems, n, updates = _updates(r, sent, [(d, k) for d in r["devices"]])
-    if problems:
+    if updates is None:
         return problems, 0
-    if sum(n) != r["n_samples"]:
-        problems.append(f"round {k}: n_samples {r['n_samples']} != {sum(n)}, the sum of its participants'")
     start = models.get(f"r{k}", [])
     if not candidates or not start:
         return problems, 0
