@@ -311,11 +311,13 @@ def plot(results: dict[str, dict], devices: list[Device], classes: list[str], da
         prior = chance_accuracy([d.y_test], len(classes), personal=True)
         bars.hlines(prior, i - 0.4, i + 0.4, colors="black", linestyles=":", lw=1.5)
     bars.set_xticks(x, [device_label(d, dataset) for d in devices], fontsize=9)
-    bars.set(ylabel="personalized test accuracy", ylim=(0, 1), title="each device after the last round")
+    # headroom above 1 for the legend in one row: "best" put it over the bar of the best device
+    bars.set(ylabel="personalized test accuracy", ylim=(0, 1.18), yticks=np.linspace(0, 1, 6),
+             title="each device after the last round")
     curve.set(xlabel="aggregated rounds", ylabel="mean accuracy over devices", ylim=(0, 1),
               title="the model each device serves")
     integer_rounds(curve)
-    chance_legend(bars, True, "black")
+    chance_legend(bars, True, "black", loc="upper center", ncol=3)
     chance_legend(curve, True)
     for ax in (bars, curve):
         ax.grid(alpha=0.3)

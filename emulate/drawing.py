@@ -33,14 +33,15 @@ def draw_chance(ax: Any, chance: float | None, colour: str) -> None:
         ax.axhline(chance, color=colour, **CHANCE_STYLE)
 
 
-def chance_legend(ax: Any, drawn: bool, colour: str = "grey") -> None:
-    """The legend, with one entry that explains the dotted chance lines when any was drawn."""
+def chance_legend(ax: Any, drawn: bool, colour: str = "grey", **placement: Any) -> None:
+    """The legend, with one entry that explains the dotted chance lines when any was drawn; `placement` goes to
+    matplotlib's legend (loc, ncol) where "best" would cover a bar."""
     from matplotlib.lines import Line2D
 
     handles, _ = ax.get_legend_handles_labels()
     if drawn:
         handles.append(Line2D([], [], color=colour, label="chance (label prior)", **CHANCE_STYLE))
-    ax.legend(handles=handles, fontsize=8)
+    ax.legend(handles=handles, fontsize=8, **placement)
 
 
 def integer_rounds(ax: Any) -> None:
