@@ -21,6 +21,7 @@ const browser = await launch(ENGINE, Number(timeoutS));
 const result = { console: [], responsiveMs: [], idleMs: [], trainingStatus: [] };
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 let page;
+let sampling = true; // the responsiveness sampler's loop; stopped in `finally` too, or node never exits after an error
 try {
   page = await browser.newPage();
   page.on('console', (m) => result.console.push(`${m.type()}: ${m.text()}`));
@@ -52,7 +53,6 @@ try {
   await shot('start');
   result.lacksOnLoopback = await page.$eval('#lacks', (e) => !e.hidden);
   await page.click('#join');
-  let sampling = true;
   const sample = async () => { // the page's answer time while a round trains
     let training = false;
     while (sampling) {
@@ -67,7 +67,8 @@ try {
     }
   };
   let sampler = sample();
-  await until('a round', () => window.fedper.trainer.progress !== null);
+  // a fast machine may train a short run's only round between two polls: its end counts as having seen it
+  await until('a round', () => window.fedper.trainer.progress !== null || window.fedper.agent()?.finalAccuracy != null);
   await shot('mid-round');
   if (Number(reloadAfter) > 0) {
     result.reloadedAfter = await until(`the update of round ${reloadAfter}`, (k) => {
@@ -93,6 +94,7 @@ try {
   result.error = e.message;
   result.log ??= await page?.evaluate(() => window.fedper?.lines).catch(() => undefined); // what the page said last
 } finally {
+  sampling = false;
   await browser.close();
   console.log(JSON.stringify(result));
 }
