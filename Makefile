@@ -83,9 +83,13 @@ chromium firefox webkit: browsers
 demo: install
 	$(BIN)/fedper demo
 
+# The suite runs in TEST_JOBS pytest-xdist workers (0: in this process), each with one OpenMP thread: two workers
+# whose torch used two threads each on 2 cores spin-waited on one another and ran the suite several times slower.
+TEST_JOBS ?= 2
+
 test: install mosquitto faketime websocket prometheus browsers web
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest --durations=15
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_JOBS) --dist worksteal --durations=15
 	@if [ -f web/dist/index.html ]; then node --test web/test/*.test.mjs; else echo "web agent not built: node tests skipped"; fi
 
 # pip's resolver, for every platform tag (Linux x86-64/aarch64, macOS arm64/x86-64) and Python 3.10-3.13:
