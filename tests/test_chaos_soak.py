@@ -173,11 +173,17 @@ def make_versions(folder: Path, *, unweighted: bool = False, fold_twice: bool = 
                 ("dev-002", 1, 3, r2)]
     write_run(folder, sent, {"r1": r1, "r2": r2, "r3": r3}, metrics)
     if statistics:
-        (folder / "export").mkdir()
-        (folder / "export" / "manifest.json").write_text(json.dumps({"tensors": [
-            {"name": "base.w", "shared": True, "trainable": True},
-            {"name": "bn.var", "shared": True, "trainable": False},
-            {"name": "head.w", "shared": False, "trainable": True}]}))
+        write_manifest(folder)
+
+
+def write_manifest(folder: Path) -> None:
+    """The run's export/manifest.json (the fields the checker reads): base.w a weight, bn.var a BatchNorm statistic
+    (shared, not trainable), head.w the head."""
+    (folder / "export").mkdir()
+    (folder / "export" / "manifest.json").write_text(json.dumps({"tensors": [
+        {"name": "base.w", "shared": True, "trainable": True},
+        {"name": "bn.var", "shared": True, "trainable": False},
+        {"name": "head.w", "shared": False, "trainable": True}]}))
 
 
 @pytest.mark.parametrize("statistics", ["mean", "stepped"])
@@ -211,10 +217,11 @@ def test_checker_finds_an_update_folded_into_two_versions(tmp_path: Path, stale:
 
 
 def make_dp_round(folder: Path, *, leave_out: str | None = None, std_recorded: float | None = None,
-                  agent: str = "dev-002") -> None:
+                  agent: str = "dev-002", statistics: str | None = None) -> None:
     """Central DP, round 1 of m = 3 expected: r2 = r1 + (sum of the deltas clipped to C + N(0, (z C)^2)) / m;
     `agent`: the third device (dev-002, or a real agent with its --keep-updates copy); `leave_out`: a device whose
-    update the release misses."""
+    update the release misses; `statistics`: the models also hold a BatchNorm variance, bn.var, which r2 keeps as
+    r1 holds it ("kept", as fedper.privacy's DP-FedAvg does) or takes as the devices' mean ("averaged")."""
     rng = np.random.default_rng(2)
     shape, c, z, m = (64, 64), 5.0, 0.1, 3.0
     r1 = {"base.w": rng.normal(size=shape).astype(np.float32)}
@@ -229,8 +236,15 @@ def make_dp_round(folder: Path, *, leave_out: str | None = None, std_recorded: f
     r2 = {"base.w": r1["base.w"] + (total + rng.normal(0.0, z * c, shape)) / m}
     dp = {"clip_norm": c, "noise_multiplier": z, "noise_std": std_recorded or z * c / m, "expected_participants": m}
     metrics = [{"round": 1, "devices": list(devices), "n_samples": 6, "dp": dp}]
-    write_run(folder, [(d, 1, n, {"base.w": updates[d]}) for d, n in devices.items()], {"r1": r1, "r2": r2},
-              metrics)
+    sent = [(d, 1, n, {"base.w": updates[d]}) for d, n in devices.items()]
+    if statistics:
+        var = {d: rng.uniform(0.5, 2.0, size=8).astype(np.float32) for d in ("r1", *devices)}
+        r1["bn.var"] = var["r1"]
+        r2["bn.var"] = var["r1"] if statistics == "kept" else np.mean([var[d] for d in devices], axis=0)
+        sent = [(d, k, n, {**tensors, "bn.var": var[d]}) for d, k, n, tensors in sent]
+    write_run(folder, sent, {"r1": r1, "r2": r2}, metrics)
+    if statistics:
+        write_manifest(folder)
 
 
 @pytest.mark.parametrize("agent", ["dev-002", "agent-0"])
@@ -244,6 +258,16 @@ def test_checker_passes_an_honest_dp_round(tmp_path: Path, agent: str) -> None:
 def test_checker_finds_a_dp_round_without_one_update(tmp_path: Path, agent: str) -> None:
     make_dp_round(tmp_path, leave_out=agent, agent=agent)
     assert any("leans" in v and agent in v for v in chaos_check.check(tmp_path)["violations"])
+
+
+@pytest.mark.parametrize("statistics", ["kept", "averaged"])
+def test_checker_wants_dp_to_release_batchnorm_statistics_unchanged(tmp_path: Path, statistics: str) -> None:
+    """Under DP the statistics are neither clipped nor noised (not gradients: fedper.privacy) but kept as r1 has
+    them; a release that averaged the devices' values is reported."""
+    make_dp_round(tmp_path, agent="agent-0", statistics=statistics)
+    violations = chaos_check.check(tmp_path)["violations"]
+    assert (violations == []) == (statistics == "kept"), violations
+    assert all("changed the statistics r1 holds (bn.var)" in v for v in violations)
 
 
 def test_checker_finds_dp_noise_other_than_recorded(tmp_path: Path) -> None:
