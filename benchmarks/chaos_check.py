@@ -7,10 +7,11 @@ Inputs: sent/*.safetensors (each scripted device's own copy of every update it s
 agents/<name>/updates/r<k>.safetensors (each real agent's, `fedper-agent --keep-updates`: a safetensors file
 whose metadata "json" holds round and n_samples), heads/*.safetensors and agents/<name>/device.safetensors
 (each device's head, which must never leave it; an agent's: the tensors its metadata lists as "local"),
-capture.bin (every message the broker delivered to a client
-subscribed to `#`), state/metrics.jsonl (the coordinator's record of each round), soak.json (the state
-files that did not read after a kill). It reads safetensors and JSON with those libraries and does its own
-float64 arithmetic; it shares no code with the coordinator's aggregation (chunks are put together here).
+capture.bin (every message the broker delivered to a client subscribed to `#`), state/metrics.jsonl (the
+coordinator's record of each round), soak.json (the state files that did not read after a kill),
+export/manifest.json (which shared tensors are BatchNorm statistics, `trainable` false: the async and DP rules
+treat them apart). It reads safetensors and JSON with those libraries and does its own float64 arithmetic; it
+shares no code with the coordinator's aggregation (chunks are put together here).
 
 Checks, per synchronous round k in metrics.jsonl: its participants are distinct (each update folded once),
 each sent an update for round k (all its copies equal), n_samples is their sum, and the model released
@@ -125,10 +126,12 @@ def check_mean_round(r: dict[str, Any], sent: Sent, models: dict[str, list[bytes
 
 
 def check_version(r: dict[str, Any], sent: Sent, models: dict[str, list[bytes]], candidates: list[bytes],
-                  folded_in: dict[str, int]) -> tuple[list[str], int]:
+                  folded_in: dict[str, int], statistics: frozenset[str]) -> tuple[list[str], int]:
     """Async version k (FedBuff, docs/protocol.md 8.2): r{k+1} = r{k} + sum(n_j w(s_j) (u_j - r{k_j})) / sum(n_j)
     with s_j = k - k_j and w(s) = 1 / sqrt(1 + s) (the soak's default staleness function); each update id
-    (device@round) folded into one version only; staleness within max_staleness."""
+    (device@round) folded into one version only; staleness within max_staleness. `statistics` (BatchNorm running
+    means and variances: estimates, not stepped) are the mean of the devices' values instead,
+    sum(w(s_j) n_j u_j) / sum(w(s_j) n_j)."""
     k, buffer = r["round"], r["buffer"]
     problems = []
     pairs = []
@@ -150,23 +153,30 @@ def check_version(r: dict[str, Any], sent: Sent, models: dict[str, list[bytes]],
     if not candidates or not all(bases):
         return problems, 0  # a model the capture missed (a broker restart): not checkable, not a violation
     model = {name: value.astype(np.float64) for name, value in load(bases[-1][0]).items()}
-    step = {name: np.zeros_like(value) for name, value in model.items()}
+    step = {name: np.zeros_like(value) for name, value in model.items() if name not in statistics}
+    values = {name: np.zeros_like(value) for name, value in model.items() if name in statistics}
     for w, s, u, base in zip(weights, staleness, updates, bases, strict=False):
         start = load(base[0])
         for name in step:
             step[name] += w / np.sqrt(1.0 + s) * (u[name].astype(np.float64) - start[name].astype(np.float64))
-    expected = {name: model[name] + step[name] / sum(weights) for name in model}
+        for name in values:
+            values[name] += w / np.sqrt(1.0 + s) * u[name].astype(np.float64)
+    total = sum(w / np.sqrt(1.0 + s) for w, s in zip(weights, staleness, strict=True))
+    expected = {name: model[name] + step[name] / sum(weights) for name in step} | {
+        name: value / total for name, value in values.items()}
     return problems + _released(k, expected, candidates, f"r{k} plus the staleness-weighted mean of its "
                                                          f"{len(n)} deltas"), 1
 
 
 def check_dp_round(r: dict[str, Any], sent: Sent, models: dict[str, list[bytes]], candidates: list[bytes],
-                   folded_in: dict[str, int]) -> tuple[list[str], int]:
+                   folded_in: dict[str, int], statistics: frozenset[str]) -> tuple[list[str], int]:
     """Central DP round k: the mean before noise is not published, so what is checked is that the noise the
     coordinator recorded explains the release: residual = r{k+1} - r{k} - sum(clip_C(u_j - r{k})) / m must
     look like N(0, noise_std) (its std within 10 %, its mean within 6 standard errors), with C, noise_std and
     m as metrics.jsonl records them and noise_std = z C / m; and its projection on each participant's
-    clipped delta within 6 noise_std (an update left out or folded twice moves it by C / m)."""
+    clipped delta within 6 noise_std (an update left out or folded twice moves it by C / m). All of it over the
+    trainable tensors (clip_C's norm too): `statistics` (BatchNorm running means and variances) are neither
+    clipped nor noised but released as r{k} holds them."""
     k, dp = r["round"], r["dp"]
     problems, _, updates = _updates(r, sent, [(d, k) for d in r["devices"]])
     if updates is None:
@@ -177,7 +187,8 @@ def check_dp_round(r: dict[str, Any], sent: Sent, models: dict[str, list[bytes]]
     start, released = models.get(f"r{k}", []), candidates
     if not start or not released:
         return problems, 0
-    model = {name: value.astype(np.float64) for name, value in load(start[0]).items()}
+    model = {name: value.astype(np.float64) for name, value in load(start[0]).items() if name not in statistics}
+    kept = {name: value for name, value in load(start[0]).items() if name in statistics}
     clipped = []
     for u in updates:
         delta = {name: u[name].astype(np.float64) - model[name] for name in model}
@@ -188,7 +199,8 @@ def check_dp_round(r: dict[str, Any], sent: Sent, models: dict[str, list[bytes]]
         out = load(blob)
         residual = np.concatenate([(out[name].astype(np.float64) - model[name]
                                     - sum(d[name] for d in clipped) / m).ravel() for name in model])
-        found = []
+        found = [f"round {k}: released r{k + 1} changed the statistics r{k} holds ({name})" for name in kept
+                 if not np.array_equal(out[name], kept[name])]
         if not (0.9 * std <= residual.std() <= 1.1 * std) or abs(residual.mean()) > 6 * std / np.sqrt(residual.size):
             found.append(f"round {k}: released r{k + 1} minus r{k} and the clipped mean has std {residual.std():.4g}, "
                          f"mean {residual.mean():.3g}; noise_std {std:.4g} recorded")
@@ -263,6 +275,9 @@ def check(folder: Path) -> dict[str, Any]:
     models: dict[str, list[bytes]] = defaultdict(list)
     for key, blob in blobs(messages, f"{base}/model/").items():
         models[key.split("|")[1]].append(blob)
+    manifest = folder / "export" / "manifest.json"  # the export every party holds: which tensors are statistics
+    statistics = frozenset(t["name"] for t in json.loads(manifest.read_text())["tensors"]
+                           if t["shared"] and not t["trainable"]) if manifest.exists() else frozenset()
     by_round: dict[int, dict[str, Any]] = {}
     folded_in: dict[str, int] = {}  # async: update id (device@round) -> the version that folded it
     verified = 0
@@ -276,9 +291,11 @@ def check(folder: Path) -> dict[str, Any]:
         candidates = models.get(f"r{k + 1}", []) + (models.get("final", []) if r is records[-1] else [])
         if "secagg" in r:
             problems, checked = check_secure_round(r, sent, models, candidates, folded_in, soak["clip_norm"])
+        elif "buffer" in r or "dp" in r:
+            rule = check_version if "buffer" in r else check_dp_round
+            problems, checked = rule(r, sent, models, candidates, folded_in, statistics)
         else:
-            rule = check_version if "buffer" in r else check_dp_round if "dp" in r else check_mean_round
-            problems, checked = rule(r, sent, models, candidates, folded_in)
+            problems, checked = check_mean_round(r, sent, models, candidates, folded_in)
         violations += problems
         verified += checked
     for topic, payload in messages:

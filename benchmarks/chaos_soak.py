@@ -1,4 +1,4 @@
-"""Chaos soak: a scripted fleet through a real Mosquitto under many faults at once, checked independently.
+"""Chaos soak: scripted devices and real agents through Mosquitto under many faults at once, checked independently.
 
 benchmarks/chaos_check.py proves the invariants from what the parties logged and published.
 
@@ -13,19 +13,20 @@ makes ~20 % of the devices leave and rejoin, some of them dropping their socket 
 upload; and every seventh device talks through its own TCP proxy, which at times holds every byte for
 3-12 s or resets its connections. Each fault is a line of faults.jsonl with its time.
 
-Most devices are scripted (fleet_scale.py's minimal MQTT client): invited, a device sends random float32
-tensors for the shared layers, seeded by (device, round), and first writes its own copy of them (a
-safetensors file per update, with n_samples and round in its metadata) under sent/; its head tensor, which
-must never leave it, goes to heads/. A few are real agents (`fedper-agent` processes on real digits and a
-real export, MobileNet-v1 at width 1/16, --keep-updates: each keeps its own copy of every round's update in
-its state directory, agents/<name>/updates/); the nemesis kills them with SIGKILL too (every state file of
-theirs must read afterwards), and half of them talk through a cut-prone proxy. A capture client
-subscribed to `#` writes every message it sees to capture.bin (reconnecting after each broker restart).
+Most devices are scripted (fleet_scale.py's minimal MQTT client) on a real export, MobileNet-v1 at width
+1/16: invited, a device sends the export's base + 0.01 N(0, 1) for the shared layers, seeded by (device,
+round), and first writes its own copy of it (a safetensors file per update, with n_samples and round in its
+metadata) under sent/; its head tensor, which must never leave it, goes to heads/. A few are real agents
+(`fedper-agent` processes on real digits and that export, --keep-updates: each keeps its own copy of every
+round's update in its state directory, agents/<name>/updates/); the nemesis kills them with SIGKILL too
+(every state file of theirs must read afterwards), and half of them talk through a cut-prone proxy. A capture
+client subscribed to `#` writes every message it sees to capture.bin (reconnecting after each broker restart).
 
-Modes: sync (rounds with selection; 2 real agents among the scripted devices), async (FedBuff versions,
-K = 4 of 8 training), dp (sync rounds with central DP, z = 0.1 so that the checker sees one update above
-the noise) and secure (--secure-aggregation: SecAgg+ is the agents' protocol, so the fleet is 6 real agents
-and no scripted device).
+Modes (AGENTS: the real agents of each): sync (rounds with selection), async (FedBuff versions, K = 4 of 8
+training) and dp (sync rounds with central DP, z = 0.01 so that the checker sees each update above the noise),
+each with 2 real agents among the scripted devices; secure (--secure-aggregation: SecAgg+ is the agents'
+protocol, so the fleet is 6 real agents and no scripted device). The quick form's async has no agent: it
+runs on a hand-made export of 4,096 zeros while the real export is made (about 20 s on a loaded machine).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ from fedper.wire import Invitation, Register, RoundInfo, Topics, UpdateMeta, chu
 
 FLEET = "chaos"
 TOPICS = Topics(FLEET)
-FLOATS = 4096
+QUICK_FLOATS = 4096  # the quick form's async runs on a hand-made export of this size, zeros, and without agents
 FAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1"  # Debian's faketime (make faketime)
 GROUP = 4  # scripted devices per process: a SIGKILL takes a group
 CHUNK = 4096  # several chunks per update, so an upload can break halfway
@@ -73,28 +74,27 @@ MODES = {  # the coordinator's options per mode
     "sync": SYNC,
     "async": ("--mode", "async", "--clients-per-round", "8", "--buffer-size", "4", "--max-staleness", "6",
               "--round-timeout", "4"),
-    # z small on purpose: the checker must see one update's clipped delta (C / m) above the noise (z C / m)
-    "dp": (*SYNC, "--clip-norm", "5", "--dp-noise-multiplier", "0.1"),
+    # z small on purpose: the checker must see each update's clipped delta (at most C / m) above the noise (z C / m);
+    # an agent's delta is about 1 (its scaled share 2 noise_std at z = 0.1, too close to the noise to be told apart)
+    "dp": (*SYNC, "--clip-norm", "5", "--dp-noise-multiplier", "0.01"),
     # a fleet of 6 halves its suspects into groups of 3: --secagg-min-group 4 could never split it
     "secure": ("--clients-per-round", "6", "--min-clients", "3", "--round-timeout", "10", "--secure-aggregation",
                "--clip-norm", str(SECURE_CLIP), "--secagg-stage-timeout", "3", "--secagg-min-group", "2"),
 }
-AGENTS = {"sync": 2, "secure": 6}  # real fedper-agent processes per mode, beside the scripted devices
+AGENTS = {"sync": 2, "async": 2, "dp": 2, "secure": 6}  # real fedper-agent processes per mode, beside the scripted
 AGENT_WIDTH = 0.0625  # MobileNet-v1 at its narrowest (every layer at 8 channels): 18,264 shared floats
-SCRIPTED_SPREAD = 0.01  # beside real agents a scripted update is the export's base + this x N(0, 1): trainable
+SCRIPTED_SPREAD = 0.01  # a scripted update is the export's base + this x N(0, 1): a model the agents can still train
 
 
-def update_of(manifest: Manifest, device: str, round_: int, base: dict[str, np.ndarray] | None = None
+def update_of(manifest: Manifest, device: str, round_: int, base: dict[str, np.ndarray]
               ) -> tuple[int, dict[str, np.ndarray]]:
-    """What `device` sends for `round_`: (n_samples, shared tensors), the same on every resend: N(0, 1) values,
-    or beside real agents `base` + SCRIPTED_SPREAD x N(0, 1) (a model they can still train)."""
+    """What `device` sends for `round_`: (n_samples, shared tensors), the same on every resend: the export's `base`
+    + SCRIPTED_SPREAD x N(0, 1) (a model the real agents can still train)."""
     index = int(device.removeprefix("dev-"))
     rng = np.random.default_rng([index, round_])
-    n = samples_of(index)
-    noise = {t.name: rng.normal(size=t.shape).astype(np.float32) for t in manifest.shared_tensors}
-    if base is None:
-        return n, noise
-    return n, {name: base[name] + np.float32(SCRIPTED_SPREAD) * value for name, value in noise.items()}
+    spread = np.float32(SCRIPTED_SPREAD)
+    return samples_of(index), {t.name: base[t.name] + spread * rng.normal(size=t.shape).astype(np.float32)
+                               for t in manifest.shared_tensors}
 
 
 def samples_of(index: int) -> int:
@@ -163,7 +163,7 @@ class Blackhole:
         self.writers -= {writer, up_writer}
 
 
-async def device_life(index: int, port: int, out: Path, faulty: bool, base: dict[str, np.ndarray] | None,
+async def device_life(index: int, port: int, out: Path, faulty: bool, base: dict[str, np.ndarray],
                       stop: asyncio.Event) -> None:
     """Connect, register, answer invitations; reconnect after the broker goes; leave and rejoin at times;
     some devices (every seventh) talk through a proxy whose network the nemesis cuts for 3-12 s at times."""
@@ -203,7 +203,7 @@ class Device:
     out: Path
     faulty: bool
     rng: random.Random
-    base: dict[str, np.ndarray] | None  # beside real agents: the export's base, which scripted updates stay near
+    base: dict[str, np.ndarray]  # the export's base, which scripted updates stay near
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
 
@@ -275,10 +275,10 @@ def _quiet(ack: asyncio.Future[None] | None) -> None:
         ack.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
-def devices_main(indices: list[int], port: int, out: str, faulty: bool, beside_agents: bool) -> None:
+def devices_main(indices: list[int], port: int, out: str, faulty: bool) -> None:
     """One process for a group of scripted devices (so that SIGKILL takes a few at once); SIGTERM ends it."""
     export = Path(out) / "export"
-    base = decode_shared(Manifest.load(export), (export / BASE_FILE).read_bytes()) if beside_agents else None
+    base = decode_shared(Manifest.load(export), (export / BASE_FILE).read_bytes())
 
     async def run() -> None:
         stop = asyncio.Event()
@@ -292,8 +292,8 @@ def devices_main(indices: list[int], port: int, out: str, faulty: bool, beside_a
 
 
 def export_for_agents(folder: str) -> None:
-    """A real export the agents train (fedper-export's code), made once per soak (in a process of its own, while
-    the modes without agents run) and copied into each run."""
+    """The real export every mode runs on and the agents train (fedper-export's code), made once per soak (in a
+    process of its own) and copied into each run."""
     if not (Path(folder) / "manifest.json").exists():
         from fedper.export.exporter import export_artifacts
 
@@ -439,30 +439,29 @@ def spawn(target: str, *args: Any) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", code])
 
 
-def run_mode(mode: str, seconds: float, devices: int, out: Path, faulty: bool, agent_export: Path | None = None,
-             wait_for_agents: bool = True) -> dict[str, Any]:
-    """One run of `mode` for `seconds`; returns what the nemesis did. Everything else is on disk under `out`.
-    `agent_export`: the real export of the modes with agents (AGENTS), copied into the run; `wait_for_agents`:
-    the run's time starts once they are connected (else they join when they are up)."""
+def run_mode(mode: str, seconds: float, devices: int, out: Path, faulty: bool, export: Path | None,
+             agent_count: int, wait_for_agents: bool = True) -> dict[str, Any]:
+    """One run of `mode` for `seconds` with `agent_count` real agents; returns what the nemesis did. Everything else
+    is on disk under `out`. `export`: the real export (export_for_agents), copied into the run, or None for a
+    hand-made one of QUICK_FLOATS zeros (no agents); `wait_for_agents`: the run's time starts once the agents are
+    connected (else they join when they are up)."""
     for sub in ("sent", "heads", "state"):
         (out / sub).mkdir(parents=True, exist_ok=True)
-    agent_count = AGENTS.get(mode, 0)
     secure = mode == "secure"
     devices = 0 if secure else devices  # scripted devices do not speak SecAgg+
-    if agent_count:
-        assert agent_export is not None
-        shutil.copytree(agent_export, out / "export", dirs_exist_ok=True)
-    else:
-        manifest = manifest_of(FLOATS)
+    if export is None:
+        manifest = manifest_of(QUICK_FLOATS)
         write_toy_export(out / "export", manifest, {t.name: np.zeros(t.shape, np.float32) for t in manifest.tensors
                                                      if t.shared})
+    else:
+        shutil.copytree(export, out / "export", dirs_exist_ok=True)
     mode_args = (*MODES[mode], "--secagg-identity-root", str(out / "fleet-root.pub")) if secure else MODES[mode]
     agents = prepare_agents(out, agent_count, secure)
     port = free_port()
     broker = start_mosquitto(out, port)
     capture = spawn("capture_main", port, str(out))
     groups = [list(range(i, min(i + GROUP, devices))) for i in range(0, devices, GROUP)]
-    fleet = [spawn("devices_main", group, port, str(out), faulty, bool(agent_count)) for group in groups]
+    fleet = [spawn("devices_main", group, port, str(out), faulty) for group in groups]
     agent_ports = {name: free_port() if faulty and j % 2 == 0 else port for j, name in enumerate(agents)}
     proxied = [(name, p) for name, p in agent_ports.items() if p != port]
     proxies = [spawn("proxies_main", proxied, port, str(out))] if proxied else []
@@ -514,7 +513,7 @@ def run_mode(mode: str, seconds: float, devices: int, out: Path, faulty: bool, a
                 log_fault(faults_path, "devices_killed", devices=groups[g],
                           uploading=uploading(out, [f"dev-{i:03d}" for i in groups[g]]))
                 time.sleep(rng.uniform(0.5, 2.0))
-                fleet[g] = spawn("devices_main", groups[g], port, str(out), faulty, bool(agent_count))
+                fleet[g] = spawn("devices_main", groups[g], port, str(out), faulty)
             elif kind == "agent_kill9":
                 name = rng.choice(agents)
                 agent_procs[name].send_signal(signal.SIGKILL)
@@ -565,7 +564,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/chaos"), help="folder for logs, captures, results")
     parser.add_argument("--quick", action="store_true",
                         help="async and sync, 30 s calm + 30 s under faults each, 12 devices, the agents joining "
-                             "when they are up (make test's form)")
+                             "when they are up; async scripted only, on a hand-made export of 4,096 floats, while the "
+                             "real export is made (make test's form)")
     args = parser.parse_args()
     minutes, devices, modes = (0.5, 12, ["async", "sync"]) if args.quick else (args.minutes, args.devices,
                                                                        args.modes.split(","))
@@ -574,17 +574,19 @@ def main() -> None:
         parser.error(f"--modes: {', '.join(sorted(unknown))} not in the soak (it runs: {', '.join(MODES)})")
     import chaos_check
 
-    agent_export = args.out / "agent-export"
-    exporter = spawn("export_for_agents", str(agent_export)) if set(modes) & set(AGENTS) else None
+    export = args.out / "agent-export"
+    exporter = spawn("export_for_agents", str(export))  # 20 s on a loaded machine: quick async runs meanwhile
 
     failed = False
     for mode in modes:
         results = {}
-        if mode in AGENTS and exporter is not None and exporter.wait() != 0:
-            sys.exit(f"the agents' export failed (exit {exporter.returncode})")
+        hand_made = args.quick and mode == "async"  # the quick form's async: scripted only, on a hand-made export
+        if not hand_made and exporter.wait() != 0:
+            sys.exit(f"the soak's export failed (exit {exporter.returncode})")
         for faulty in (False, True):
             folder = args.out / f"{mode}-{'faults' if faulty else 'calm'}"
-            run_mode(mode, minutes * 60, devices, folder, faulty, agent_export, not args.quick)
+            run_mode(mode, minutes * 60, devices, folder, faulty, None if hand_made else export,
+                     0 if hand_made else AGENTS[mode], not args.quick)
             results[faulty] = chaos_check.check(folder)
         report = chaos_check.summary(mode, results[True], results[False])
         print(report)
