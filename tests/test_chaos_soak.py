@@ -1,5 +1,5 @@
 """The chaos soak's checker (benchmarks/chaos_check.py) finds doctored runs, and the soak's 2-minute form
-(sync mode, 1 minute calm and 1 under faults) passes it."""
+(sync with its 2 agents, then async scripted only: 30 s calm and 30 s under faults each) passes it."""
 
 from __future__ import annotations
 
