@@ -155,15 +155,15 @@ def check_version(r: dict[str, Any], sent: Sent, models: dict[str, list[bytes]],
     model = {name: value.astype(np.float64) for name, value in load(bases[-1][0]).items()}
     step = {name: np.zeros_like(value) for name, value in model.items() if name not in statistics}
     values = {name: np.zeros_like(value) for name, value in model.items() if name in statistics}
-    for w, s, u, base in zip(weights, staleness, updates, bases, strict=False):
+    decayed = [w / np.sqrt(1.0 + s) for w, s in zip(weights, staleness, strict=True)]  # n_j w(s_j)
+    for weight, u, base in zip(decayed, updates, bases, strict=False):
         start = load(base[0])
         for name in step:
-            step[name] += w / np.sqrt(1.0 + s) * (u[name].astype(np.float64) - start[name].astype(np.float64))
+            step[name] += weight * (u[name].astype(np.float64) - start[name].astype(np.float64))
         for name in values:
-            values[name] += w / np.sqrt(1.0 + s) * u[name].astype(np.float64)
-    total = sum(w / np.sqrt(1.0 + s) for w, s in zip(weights, staleness, strict=True))
+            values[name] += weight * u[name].astype(np.float64)
     expected = {name: model[name] + step[name] / sum(weights) for name in step} | {
-        name: value / total for name, value in values.items()}
+        name: value / sum(decayed) for name, value in values.items()}
     return problems + _released(k, expected, candidates, f"r{k} plus the staleness-weighted mean of its "
                                                          f"{len(n)} deltas"), 1
 
