@@ -2,9 +2,10 @@
 
 benchmarks/chaos_check.py proves the invariants from what the parties logged and published.
 
-    python benchmarks/chaos_soak.py [--minutes 30] [--modes sync,async,dp] [--devices 24] [--out runs/chaos] [--quick]
+    python benchmarks/chaos_soak.py [--minutes 30] [--calm-minutes M] [--modes sync,async,dp,secure] [--devices 24]
+                                    [--out runs/chaos] [--quick]
 
-Each mode runs twice for the same wall time: without faults, then under the nemesis, which at random
+Each mode runs twice: without faults (--calm-minutes, by default as long), then under the nemesis, which at random
 intervals (a few seconds) and together: kills the coordinator with SIGKILL and restarts it on the same
 state directory (after each kill every state file must still read); restarts the broker (no persistence:
 the devices re-register); kills a process of 4 devices with SIGKILL (often mid-upload) and starts it
@@ -557,6 +558,8 @@ def run_mode(mode: str, seconds: float, devices: int, out: Path, faulty: bool, e
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=30.0, help="run time per mode under faults (default 30)")
+    parser.add_argument("--calm-minutes", type=float, default=None,
+                        help="run time per mode without faults, the progress baseline (default: --minutes)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated modes among {', '.join(MODES)} "
                         "(default: all)")
     parser.add_argument("--devices", type=int, default=24, help="scripted devices (default 24; the real agents, "
@@ -569,6 +572,9 @@ def main() -> None:
     args = parser.parse_args()
     minutes, devices, modes = (0.5, 12, ["async", "sync"]) if args.quick else (args.minutes, args.devices,
                                                                        args.modes.split(","))
+    calm_minutes = minutes if args.quick or args.calm_minutes is None else args.calm_minutes
+    if min(minutes, calm_minutes) <= 0:
+        parser.error("--minutes and --calm-minutes must be positive")
     unknown = set(modes) - set(MODES)
     if unknown:
         parser.error(f"--modes: {', '.join(sorted(unknown))} not in the soak (it runs: {', '.join(MODES)})")
@@ -585,7 +591,8 @@ def main() -> None:
             sys.exit(f"the soak's export failed (exit {exporter.returncode})")
         for faulty in (False, True):
             folder = args.out / f"{mode}-{'faults' if faulty else 'calm'}"
-            run_mode(mode, minutes * 60, devices, folder, faulty, None if hand_made else export,
+            seconds = (minutes if faulty else calm_minutes) * 60
+            run_mode(mode, seconds, devices, folder, faulty, None if hand_made else export,
                      0 if hand_made else AGENTS[mode], not args.quick)
             results[faulty] = chaos_check.check(folder)
         report = chaos_check.summary(mode, results[True], results[False])
