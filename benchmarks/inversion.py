@@ -46,19 +46,20 @@ STD = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
 
 @dataclass(frozen=True)
 class Setup:
-    """The fleet's model: MobileNet-v1 at `width`, cut at K_P, 10 classes, 32x32 inputs (CIFAR)."""
+    """The fleet's model: `architecture` at `width`, cut at K_P, 10 classes, 32x32 inputs (CIFAR, small-input stem)."""
 
     width: float = 0.25
     kp: int = 2
     input_size: int = 32
     num_classes: int = 10
+    architecture: str = "mobilenet_v1"
 
     def model(self, seed: int) -> nn.Module:
         torch.manual_seed(seed)
-        return build_model("mobilenet_v1", self.num_classes, self.width, self.input_size)
+        return build_model(self.architecture, self.num_classes, self.width, self.input_size)
 
     def manifest(self, model: nn.Module) -> Manifest:
-        return describe(model, architecture="mobilenet_v1", kp=self.kp, algorithm="fedper",
+        return describe(model, architecture=self.architecture, kp=self.kp, algorithm="fedper",
                         input_size=self.input_size, width=self.width)
 
 

@@ -1,6 +1,7 @@
 """Privacy measured by attack: gradient inversion by a curious coordinator on one device's FedPer update.
 
     python benchmarks/privacy_attack.py [--quick] [--out runs/bench] [--iterations 200] [--figure PNG]
+                                        [--architecture resnet34] [--ladder]
 
 The attack (benchmarks/inversion.py) is Geiping et al. 2020's, run on what the coordinator receives from one
 device: one SGD step on one image, one step on a batch, and the protocol's real update (E = 1 local epoch,
@@ -9,9 +10,12 @@ encoder and decoder), then on the one-image update with DP-FedAvg's clipping and
 few z, and under secure aggregation (the sum of several devices' updates, through fedper.secagg's kernel).
 The device's head never leaves it: the attacker optimizes a head of its own draw with the images. A last row
 calibrates the attack where it is easiest: BatchNorm on running statistics (which no device does) and the
-head known. Every reconstruction is scored against the device's true images (scikit-image's PSNR and
-SSIM, best one-to-one match) next to images of uniform noise matched the same way, and a flat mid-grey image. Writes
-privacy_attack.json and privacy_attack.md under --out, and the figure of the best and worst reconstructions.
+head known. `--ladder` runs only the one-image update, with and without each of the attacker's handicaps (the
+head unknown, BatchNorm on the batch's statistics), to find what stops the attack;
+`--architecture resnet34` attacks the project's other model. Every reconstruction is scored against the
+device's true images (scikit-image's PSNR and SSIM, best one-to-one match) next to images of uniform noise
+matched the same way, and a flat mid-grey image. Writes privacy_attack.json and privacy_attack.md under --out,
+and the figure of the best and worst reconstructions.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from common import machine, table
+
+from fedper.models import ARCHITECTURES
 
 REPO = Path(__file__).resolve().parents[1]
 PACK: Path | None = None  # --cifar10: a CIFAR-10 JPEG pack (.npz); without it, scikit-learn's bundled digits
@@ -65,6 +71,17 @@ def cases(iterations: int, quick: bool) -> list[Case]:
     rows.append(Case("1 image, 1 step", 1, replace(one, batchnorm="eval"),
                      defence="calibration: BatchNorm eval, head known", known_head=True, iterations=iterations))
     return rows
+
+
+def ladder(iterations: int) -> list[Case]:
+    """One image, one step, fp32, with and without each of the attacker's two handicaps (the head it must guess,
+    BatchNorm on the batch's own statistics): where the attack starts to work tells what stopped it."""
+    one, running = inv.Training(batch_size=1), inv.Training(batch_size=1, batchnorm="eval")
+    return [Case("1 image, 1 step", 1, one, iterations=iterations),
+            Case("1 image, 1 step", 1, one, defence="head known", known_head=True, iterations=iterations),
+            Case("1 image, 1 step", 1, running, defence="BatchNorm eval", iterations=iterations),
+            Case("1 image, 1 step", 1, running, defence="calibration: BatchNorm eval, head known", known_head=True,
+                 iterations=iterations)]
 
 
 def load_images(count: int, seed: int) -> tuple[np.ndarray, np.ndarray, str]:
@@ -164,13 +181,13 @@ def figure(results: list[dict], path: Path, shown: int = 4) -> None:
 
 
 def run(out: Path, quick: bool, iterations: int | None = None, pretrain_steps: int | None = None,
-        figure_path: Path | None = None) -> str:
+        figure_path: Path | None = None, architecture: str = "mobilenet_v1", only_ladder: bool = False) -> str:
     torch.set_num_threads(1)
     iterations = iterations or (10 if quick else 40)
     pretrain_steps = (20 if quick else 100) if pretrain_steps is None else pretrain_steps
-    setup = inv.Setup()
+    setup = inv.Setup(architecture=architecture)
     model = pretrained(setup, pretrain_steps, seed=0)
-    rows = cases(iterations, quick)
+    rows = ladder(iterations) if only_ladder else cases(iterations, quick)
     need = max(c.images * c.devices for c in rows)
     images, labels, source = load_images(need, seed=1)
     results = []
@@ -185,10 +202,11 @@ def run(out: Path, quick: bool, iterations: int | None = None, pretrain_steps: i
              round(r["signal_cosine"], 3), f"{r['first_loss']:.2f} -> {r['final_loss']:.2f}", round(r["psnr"], 1),
              round(r["ssim"], 3), round(r["baseline_psnr"], 1), round(r["baseline_ssim"], 3), round(r["grey_psnr"], 1)]
             for r in results]
-    text = (f"images: {source}; model: MobileNet-v1 width {setup.width}, K_P={setup.kp}, base after "
+    text = (f"images: {source}; model: {architecture} width {setup.width}, K_P={setup.kp}, base after "
             f"{pretrain_steps} pretraining steps; {machine()}\n\n" + table(header, body))
     out.mkdir(parents=True, exist_ok=True)
-    payload = {"machine": machine(), "images": source, "width": setup.width, "kp": setup.kp,
+    payload = {"machine": machine(), "images": source, "architecture": architecture, "width": setup.width,
+               "kp": setup.kp,
                "pretrain_steps": pretrain_steps, "attack": asdict(inv.Attack()),
                "rows": [{k: v for k, v in r.items() if k not in ("truth", "guesses")} for r in results]}
     (out / "privacy_attack.json").write_text(json.dumps(payload, indent=2) + "\n")
@@ -211,6 +229,10 @@ def main() -> None:
     parser.add_argument("--pretrain-steps", type=int, default=None,
                         help="SGD steps on other images before the attacked round (default 100; 0: round 1)")
     parser.add_argument("--figure", type=Path, default=None, help="where the PNG goes (default OUT/privacy_attack.png)")
+    parser.add_argument("--architecture", choices=ARCHITECTURES, default="mobilenet_v1",
+                        help="the fleet's model, at width 0.25 with the 32x32 stem (default mobilenet_v1)")
+    parser.add_argument("--ladder", action="store_true", help="only the one-image update, fp32, four rows: as the "
+                        "protocol runs, with the head known, with BatchNorm on running statistics, with both")
     args = parser.parse_args()
     if (args.iterations is not None and args.iterations < 1) or (args.pretrain_steps or 0) < 0:
         parser.error("--iterations must be >= 1 and --pretrain-steps >= 0")
@@ -218,7 +240,8 @@ def main() -> None:
     if args.cifar10 is not None and not args.cifar10.is_file():
         parser.error(f"--cifar10 {args.cifar10}: no such file")
     PACK = args.cifar10
-    print(run(args.out, args.quick, args.iterations, args.pretrain_steps, args.figure))
+    print(run(args.out, args.quick, args.iterations, args.pretrain_steps, args.figure, args.architecture,
+              args.ladder))
 
 
 if __name__ == "__main__":
