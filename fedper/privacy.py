@@ -333,18 +333,30 @@ def _rdp_of_one_round(q: float, z: float, sampling: Sampling) -> np.ndarray:
     return curve
 
 
+def _rdp_orders() -> list[float]:
+    from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS
+
+    return DEFAULT_RDP_ORDERS
+
+
+def _rdp_of(history: Sequence[tuple[int, float, float]], sampling: Sampling) -> np.ndarray:
+    """The Rényi DP of noisy rounds, at _rdp_orders()."""
+    return sum((rounds * _rdp_of_one_round(q, z, sampling) for rounds, q, z in history), np.zeros(len(_rdp_orders())))
+
+
 def _epsilon(history: Sequence[tuple[int, float, float]], delta: float, accounting: Accounting,
-             sampling: Sampling = "poisson") -> float:
+             sampling: Sampling = "poisson", rdp: np.ndarray | None = None) -> float:
+    """`rdp`: the history's Rényi DP when already known (accounting "rdp")."""
     accountant = _fresh_accountant(accounting, sampling)
     if not history:
         return 0.0
     if any(z == 0 and q > 0 for _, q, z in history):
         return math.inf
     if accounting == "rdp":
-        from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS, compute_epsilon
+        from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
 
-        total = sum(rounds * _rdp_of_one_round(q, z, sampling) for rounds, q, z in history)
-        return float(compute_epsilon(DEFAULT_RDP_ORDERS, total, delta)[0])
+        total = _rdp_of(history, sampling) if rdp is None else rdp
+        return float(compute_epsilon(_rdp_orders(), total, delta)[0])
     accountant.compose(dp_event(history, sampling))
     return float(accountant.get_epsilon(delta))
 
@@ -361,12 +373,17 @@ class PrivacyAccountant:
     of its own rounds at q = 1. `accounting` "rdp" (Rényi DP, Mironov 2017, as TF Privacy and the DP-FedAvg
     paper) is fast whatever the number of rounds; "pld" (privacy loss distributions) is tighter and slower,
     and has no bound for "fixed". The state is the (rounds, q, z) history, delta and the sampling, JSON
-    through `to_json`/`from_json` (the coordinator's checkpoint)."""
+    through `to_json`/`from_json` (the coordinator's checkpoint).
+
+    `rdp` is the history's Rényi DP (accounting "rdp", every round noisy), kept up to date and checkpointed: a
+    coordinator restarted on its state would otherwise compute each distinct (q, z) of its history again, up to
+    a second each (q = M / N changes with every device that comes and goes), before it can close a round."""
 
     delta: float
     accounting: Accounting = "rdp"
     history: list[tuple[int, float, float]] = field(default_factory=list)
     sampling: Sampling = "poisson"
+    rdp: tuple[float, ...] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 < self.delta < 1:
@@ -379,6 +396,20 @@ class PrivacyAccountant:
             raise ValueError("dp-accounting's PLD accountant has no bound for sampling without replacement: "
                              "use accounting 'rdp'")
         self.history = [_segment(*entry) for entry in self.history]
+        if self.rdp is not None:
+            self.rdp = tuple(float(v) for v in self.rdp)
+            if (self.accounting != "rdp" or any(z == 0 for _, _, z in self.history)
+                    or len(self.rdp) != len(_rdp_orders()) or not all(0 <= v < math.inf for v in self.rdp)):
+                raise ValueError("rdp must be the Rényi DP of a history of noisy rounds at dp-accounting's "
+                                 f"{len(_rdp_orders())} orders, each finite and >= 0")
+
+    def _history_rdp(self) -> np.ndarray | None:
+        """The history's Rényi DP, computed once (None where epsilon does not come from it)."""
+        if self.accounting != "rdp" or not self.history or any(z == 0 for _, _, z in self.history):
+            return None
+        if self.rdp is None:
+            self.rdp = tuple(_rdp_of(self.history, self.sampling).tolist())
+        return np.array(self.rdp)
 
     @property
     def rounds(self) -> int:
@@ -387,29 +418,35 @@ class PrivacyAccountant:
     def record(self, sampling_rate: float, noise_multiplier: float, rounds: int = 1) -> None:
         """Count `rounds` more released rounds (a run of equal (q, z) is one segment)."""
         rounds, q, z = _segment(rounds, sampling_rate, noise_multiplier)
+        so_far = self._history_rdp() if z > 0 else None
         if self.history and self.history[-1][1:] == (q, z):
             self.history[-1] = (self.history[-1][0] + rounds, q, z)
         else:
             self.history.append((rounds, q, z))
+        self.rdp = None if so_far is None else tuple((so_far + _rdp_of([(rounds, q, z)], self.sampling)).tolist())
 
     def epsilon(self) -> float:
         """Epsilon at `delta` after the recorded rounds (0 before any, inf if a round had no noise)."""
-        return _epsilon(self.history, self.delta, self.accounting, self.sampling)
+        return _epsilon(self.history, self.delta, self.accounting, self.sampling, self._history_rdp())
 
     def projected_epsilon(self, sampling_rate: float, noise_multiplier: float, rounds: int = 1) -> float:
         """Epsilon after `rounds` more (q, z) rounds, without recording them: ask before running a round."""
-        return _epsilon([*self.history, _segment(rounds, sampling_rate, noise_multiplier)], self.delta,
-                        self.accounting, self.sampling)
+        more = _segment(rounds, sampling_rate, noise_multiplier)
+        known = self._history_rdp() if more[2] > 0 else None
+        return _epsilon([*self.history, more], self.delta, self.accounting, self.sampling,
+                        None if known is None else known + _rdp_of([more], self.sampling))
 
     def to_json(self) -> str:
+        rdp = {} if self.rdp is None else {"rdp": list(self.rdp)}
         return json.dumps({"delta": self.delta, "accounting": self.accounting, "sampling": self.sampling,
-                           "history": [list(entry) for entry in self.history]})
+                           "history": [list(entry) for entry in self.history], **rdp})
 
     @classmethod
     def from_json(cls, text: str) -> PrivacyAccountant:
         body = json.loads(text)
         return cls(delta=float(body["delta"]), accounting=body["accounting"],  # before "sampling": Poisson
-                   history=[tuple(entry) for entry in body["history"]], sampling=body.get("sampling", "poisson"))
+                   history=[tuple(entry) for entry in body["history"]], sampling=body.get("sampling", "poisson"),
+                   rdp=body.get("rdp"))  # before "rdp": computed from the history at the first use
 
 
 def noise_multiplier_for(target_epsilon: float, delta: float, sampling_rate: float, rounds: int,
