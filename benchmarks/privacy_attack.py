@@ -159,7 +159,8 @@ def figure(results: list[dict], path: Path, shown: int = 4) -> None:
     from skimage.metrics import peak_signal_noise_ratio
 
     ranked = sorted(results, key=lambda r: r["psnr"], reverse=True)
-    picked = ranked[:shown] + ranked[-shown:] if len(ranked) > 2 * shown else ranked
+    every = len(ranked) <= 2 * shown  # then every row, best first, named by its row alone
+    picked = ranked if every else ranked[:shown] + ranked[-shown:]
     fig, axes = plt.subplots(2, len(picked), figsize=(1.9 * len(picked), 4.6), squeeze=False)
     for column, result in enumerate(picked):
         truth, guesses = result["truth"], result["guesses"]
@@ -167,7 +168,8 @@ def figure(results: list[dict], path: Path, shown: int = 4) -> None:
         case = result["case"]
         label = f"{case['scenario']}\n{case['codec']}, {case['defence']}".replace(", none", "")
         axes[0, column].imshow(truth[t])
-        axes[0, column].set_title(("best" if column < shown else "worst") + f"\n{label}", fontsize=5.5)
+        rank = "" if every else ("best" if column < shown else "worst") + "\n"
+        axes[0, column].set_title(rank + label, fontsize=5.5)
         axes[1, column].imshow(guesses[g])
         axes[1, column].set_title(f"{peak_signal_noise_ratio(truth[t], guesses[g], data_range=1.0):.1f} dB", fontsize=7)
         for row in (0, 1):
