@@ -374,6 +374,9 @@ def test_a_restored_accountant_computes_no_round_of_its_history_again() -> None:
     for n in range(12, 24):
         accountant.record(6 / n, 0.9)
     fresh = accountant.epsilon()
+    library = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    library.compose(dp_event(accountant.history, "fixed"))  # dp-accounting composing the history itself
+    assert fresh == pytest.approx(library.get_epsilon(1e-5), rel=1e-12)
     privacy._rdp_of_one_round.cache_clear()
     restored = PrivacyAccountant.from_json(accountant.to_json())
     assert restored.epsilon() == pytest.approx(fresh, rel=1e-12)
