@@ -23,6 +23,7 @@ import shutil
 import socket
 import ssl
 import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -124,8 +125,8 @@ class _BoundedServer(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], handler: type[_Handler], max_connections: int,
                  header_timeout_s: float, tls: ssl.SSLContext | None) -> None:
         self.max_connections, self.header_timeout_s = max_connections, header_timeout_s
-        self._lock = threading.Lock()
-        self._open = 0
+        self._lock = threading.Condition()
+        self._open = 0  # connection threads not yet ended
         self._arriving: dict[socket.socket, float] = {}  # connections whose request is not read yet, oldest first
         super().__init__(address, handler)
         if tls:  # the handshake happens in the connection's thread, under its timeouts, not in the accept loop
@@ -141,9 +142,26 @@ class _BoundedServer(ThreadingHTTPServer):
                 oldest = next(iter(self._arriving))
                 del self._arriving[oldest]
                 _cut(oldest)
+                # its thread ends at once; until it has, no thread starts, so the bound holds for threads too
+                if not self._lock.wait_for(lambda: self._open < self.max_connections, timeout=1.0):
+                    _close(request)
+                    return
             self._open += 1
             self._arriving[request] = time.monotonic()
         super().process_request(request, client_address)
+
+    def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._lock:
+                self._open -= 1
+                self._lock.notify()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hangs up mid-response (a shed connection, a closed tab) is routine, not a traceback."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
     def service_actions(self) -> None:
         with self._lock:
@@ -157,7 +175,6 @@ class _BoundedServer(ThreadingHTTPServer):
     def shutdown_request(self, request: socket.socket) -> None:  # type: ignore[override]
         with self._lock:
             self._arriving.pop(request, None)
-            self._open -= 1
         super().shutdown_request(request)
 
     def _expire(self, now: float) -> None:

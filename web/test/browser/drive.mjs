@@ -86,7 +86,8 @@ try {
   result.final = (await until('the run to finish', () => window.fedper.agent()?.finalAccuracy != null && { accuracy: window.fedper.agent().finalAccuracy })).accuracy;
   sampling = false;
   await sampler;
-  result.status = await page.$eval('#status', (e) => e.textContent);
+  // the status follows once the agent has said goodbye to the broker, a moment after the accuracy is known
+  result.status = await until('the page to say finished', () => document.querySelector('#status').textContent.startsWith('finished') && document.querySelector('#status').textContent);
   await shot('end');
   result.log = await page.evaluate(() => window.fedper.lines);
   result.device = await page.evaluate(() => window.fedper.device);
