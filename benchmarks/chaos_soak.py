@@ -566,13 +566,13 @@ def main() -> None:
                         f"{', '.join(f'{n} in {m}' for m, n in AGENTS.items())}, come on top; secure has none)")
     parser.add_argument("--out", type=Path, default=Path("runs/chaos"), help="folder for logs, captures, results")
     parser.add_argument("--quick", action="store_true",
-                        help="async and sync, 30 s calm + 30 s under faults each, 12 devices, the agents joining "
+                        help="async and sync, 15 s calm + 30 s under faults each, 12 devices, the agents joining "
                              "when they are up; async scripted only, on a hand-made export of 4,096 floats, while the "
                              "real export is made (make test's form)")
     args = parser.parse_args()
     minutes, devices, modes = (0.5, 12, ["async", "sync"]) if args.quick else (args.minutes, args.devices,
                                                                        args.modes.split(","))
-    calm_minutes = minutes if args.quick or args.calm_minutes is None else args.calm_minutes
+    calm_minutes = 0.25 if args.quick else minutes if args.calm_minutes is None else args.calm_minutes
     if min(minutes, calm_minutes) <= 0:
         parser.error("--minutes and --calm-minutes must be positive")
     unknown = set(modes) - set(MODES)

@@ -1,5 +1,5 @@
-"""The chaos soak's checker (benchmarks/chaos_check.py) finds doctored runs, and the soak's 2-minute form
-(sync with its 2 agents, then async scripted only: 30 s calm and 30 s under faults each) passes it."""
+"""The chaos soak's checker (benchmarks/chaos_check.py) finds doctored runs, and the soak's quick form
+(async scripted only, then sync with its 2 agents: 15 s calm and 30 s under faults each) passes it."""
 
 from __future__ import annotations
 
@@ -347,7 +347,7 @@ def test_checker_finds_an_agents_head_on_the_wire(tmp_path: Path) -> None:
 @pytest.mark.skipif(shutil.which("mosquitto") is None and not Path("/usr/sbin/mosquitto").exists(),
                     reason="mosquitto not installed (apt-get install mosquitto)")
 def test_quick_soak_finds_no_violation(tmp_path: Path) -> None:
-    """Async (scripted only) and sync modes (sync with its 2 real agents, joining when they are up), 30 s without
+    """Async (scripted only) and sync modes (sync with its 2 real agents, joining when they are up), 15 s without
     faults and 30 s with coordinator SIGKILLs, broker restarts, device groups and agents killed with SIGKILL,
     devices leaving (some mid-upload), network cuts and, with libfaketime, clock jumps; the command exits 1 on any
     violation."""
