@@ -10,16 +10,10 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping, ValuesView
+from collections.abc import Callable, ItemsView, Iterable, Iterator, KeysView, Mapping, ValuesView
 from typing import Any
 
 import numpy as np
-
-try:  # BLAS daxpy: acc += w * x in one pass, run single-threaded (see `_single_threaded_blas`)
-    from scipy.linalg.blas import daxpy as _daxpy
-    from threadpoolctl import ThreadpoolController
-except ImportError:  # pragma: no cover - without scipy and threadpoolctl the fold takes numpy's two passes (same bits)
-    _daxpy = None
 
 Tensor = Any  # numpy.ndarray or torch.Tensor
 
@@ -43,12 +37,20 @@ def _fold_numpy(acc: np.ndarray, value: np.ndarray, weight: float, scratch: np.n
 
 
 @functools.cache
-def _single_threaded_blas() -> None:
-    """Set the process's BLAS libraries to one thread, once and for good (the first fused fold does):
-    a multi-threaded daxpy on a loaded 2-core machine took 40-60x longer, and setting and restoring
-    the thread count around every fold cost a tenth of the fold. The coordinator uses BLAS for little else
-    (a norm in secure rounds, the int8-delta-rot decode)."""
+def _daxpy() -> Callable[..., Any] | None:
+    """BLAS daxpy (acc += w * x in one pass), None without scipy and threadpoolctl (the fold then takes numpy's
+    two passes, same bits). Imported by the first fold, not at start-up: scipy.linalg is a third of a
+    coordinator's import time, paid again at every restart. It sets the process's BLAS libraries to one thread,
+    once and for good: a multi-threaded daxpy on a loaded 2-core machine took 40-60x longer, and setting and
+    restoring the thread count around every fold cost a tenth of the fold. The coordinator uses BLAS for little
+    else (a norm in secure rounds, the int8-delta-rot decode)."""
+    try:
+        from scipy.linalg.blas import daxpy
+        from threadpoolctl import ThreadpoolController
+    except ImportError:  # pragma: no cover
+        return None
     ThreadpoolController().select(user_api="blas").limit(limits=1)  # not a context: the limit stays
+    return daxpy
 
 
 def _scale_add(acc: np.ndarray, weighted: np.ndarray, weight: float, fused: bool) -> None:
@@ -56,8 +58,7 @@ def _scale_add(acc: np.ndarray, weighted: np.ndarray, weight: float, fused: bool
     (see `_exact_products`): one BLAS pass, a fused multiply-add whose single rounding equals
     numpy's two when the product is exact; otherwise numpy's in-place multiply, then add."""
     if fused and acc.size:
-        _single_threaded_blas()
-        _daxpy(weighted, acc, a=weight)  # in place: acc is contiguous float64
+        _daxpy()(weighted, acc, a=weight)  # in place: acc is contiguous float64
         return
     np.multiply(weighted, weight, out=weighted)
     np.add(acc, weighted, out=acc)
@@ -74,7 +75,7 @@ def _exact_products(weight: float, dtypes: Iterable[np.dtype]) -> bool:
     """Whether weight * float64(v) is exact for every v of these dtypes (the significands' bits fit
     float64's 53, and the weight is far from float64's range ends): a sample count (an integer below
     2^29) times float32 always is. Only then may the fold fuse multiply and add and keep the bits."""
-    if _daxpy is None or not 2.0**-800 < weight < 2.0**800:
+    if _daxpy() is None or not 2.0**-800 < weight < 2.0**800:
         return False
     mantissa = int(math.frexp(weight)[0] * 2**53)
     weight_bits = 53 - ((mantissa & -mantissa).bit_length() - 1)
