@@ -83,7 +83,10 @@ def test_a_browser_page_takes_part_in_fedper_rounds(ws_broker, tiny_artifacts, p
     seconds = time.monotonic() - started
     spy.loop_stop()
     result = json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else {"error": done.stderr}
-    assert "error" not in result, (result, processes.log("coordinator")[-3000:])
+    if "error" in result:  # in full, as pytest shortens a long assertion message
+        print("the page said:", *result.get("log") or [], "the coordinator said:", processes.log("coordinator")[-3000:],
+              sep="\n")
+    assert "error" not in result, result["error"]
     assert result["isolated"], "the page is not cross-origin isolated: no wasm threads"
     assert not [m for m in result["console"] if "404" in m or "favicon" in m], result["console"]  # its icon is inline
     # none at all, e.g. websockify's "broken close frame containing a reserved status code" when the page closes
