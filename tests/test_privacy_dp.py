@@ -349,8 +349,8 @@ def test_epsilon_of_a_long_mixed_history_is_the_librarys_and_each_distinct_round
     relation = dp_accounting.NeighboringRelation.REPLACE_ONE if sampling == "fixed" else \
         dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
     accountant = PrivacyAccountant(1e-5, sampling=sampling)
-    for i in range(40):  # the fleet grows and shrinks: q = 8 / N for N among 24, 25, 26, and z changes once
-        accountant.record(8 / (24 + i % 3), 0.9 if i < 30 else 1.3)
+    for i in range(12):  # the fleet grows and shrinks: q = 8 / N for N among 24, 25, 26, and z changes once
+        accountant.record(8 / (24 + i % 3), 0.9 if i < 9 else 1.3)
     library = rdp.RdpAccountant(neighboring_relation=relation)
     library.compose(dp_event(accountant.history, sampling))
     assert accountant.epsilon() == pytest.approx(library.get_epsilon(1e-5), rel=1e-12)
@@ -371,7 +371,7 @@ def test_a_restored_accountant_computes_no_round_of_its_history_again() -> None:
     from fedper import privacy
 
     accountant = PrivacyAccountant(1e-5, sampling="fixed")
-    for n in range(12, 24):
+    for n in range(17, 24):
         accountant.record(6 / n, 0.9)
     fresh = accountant.epsilon()
     library = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
@@ -381,7 +381,7 @@ def test_a_restored_accountant_computes_no_round_of_its_history_again() -> None:
     restored = PrivacyAccountant.from_json(accountant.to_json())
     assert restored.epsilon() == pytest.approx(fresh, rel=1e-12)
     assert privacy._rdp_of_one_round.cache_info().misses == 0
-    restored.record(6 / 23, 0.9)  # the next round: its own curve, not the history's 12
+    restored.record(6 / 23, 0.9)  # the next round: its own curve, not the history's 7
     assert privacy._rdp_of_one_round.cache_info().misses == 1
     assert restored.projected_epsilon(6 / 11, 0.9) == pytest.approx(
         PrivacyAccountant(1e-5, history=[*restored.history, (1, 6 / 11, 0.9)], sampling="fixed").epsilon(), rel=1e-12)
