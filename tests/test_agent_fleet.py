@@ -159,6 +159,7 @@ def test_an_agent_killed_after_saving_rejoins_and_resends(tmp_path: Path, artifa
     assert agents[1].state.load(agents[1].manifest).round == ROUNDS
 
 
+@pytest.mark.long
 def test_agents_ride_out_a_broker_restart(tmp_path: Path, artifacts: Path, mosquitto) -> None:
     """The broker goes away after the first update of round 1 (losing its retained messages);
     agents reconnect with backoff and the run still completes with both devices in every round."""
@@ -308,6 +309,7 @@ def parity_gaps(tmp_path: Path, broker_url: str, *, lr: float, batch_size: int, 
 
 @pytest.mark.skipif(not Path(__file__).resolve().parents[1].parent.joinpath("shared/data/cifar10-jpeg.npz").exists(),
                     reason="real CIFAR-10 pack not found at ../shared/data/cifar10-jpeg.npz")
+@pytest.mark.long
 def test_two_agents_through_the_broker_match_the_emulator(tmp_path: Path, mosquitto) -> None:
     """Two ORT agents through Mosquitto and the coordinator end where `fedper-emulate` (PyTorch)
     ends from the same CIFAR-10 images, initial weights, seeds and batch order: the aggregated

@@ -68,6 +68,7 @@ def test_fedbabus_schedule_over_the_runs_rounds() -> None:
     assert fedbabu_schedule(dataclasses.replace(babu, lr_milestones=(5,)), 80).lr_milestones == (5,)
 
 
+@pytest.mark.long
 def test_figure_babu_runs_fedbabus_setting_and_draws_both_accuracies(tmp_path) -> None:
     png = make_figure("babu", out=tmp_path, dataset="digits", rounds=32, scale=0.125, show_progress=False,
                       fleet_overrides={"width": 0.25, "local_epochs": 1, "batch_size": 16, "eval_finetune_epochs": 1},

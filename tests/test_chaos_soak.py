@@ -346,6 +346,7 @@ def test_checker_finds_an_agents_head_on_the_wire(tmp_path: Path) -> None:
 @pytest.mark.soak
 @pytest.mark.skipif(shutil.which("mosquitto") is None and not Path("/usr/sbin/mosquitto").exists(),
                     reason="mosquitto not installed (apt-get install mosquitto)")
+@pytest.mark.long
 def test_quick_soak_finds_no_violation(tmp_path: Path) -> None:
     """Async (scripted only) and sync modes (sync with its 2 real agents, joining when they are up), 15 s without
     faults and 30 s with coordinator SIGKILLs, broker restarts, device groups and agents killed with SIGKILL,

@@ -40,6 +40,7 @@ def demo(out: Path, *extra: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=default_sigint)
 
 
+@pytest.mark.long
 def test_demo_runs_fedper_and_fedavg_and_cleans_up(tmp_path: Path) -> None:
     """Run twice into the same folder, as `make demo` twice does: the second run starts afresh
     (an earlier run's coordinator and agent state must not be resumed) and reports its own rounds."""
@@ -96,6 +97,7 @@ def page_missing() -> str:
     return page_driver()[1]
 
 
+@pytest.mark.long
 def test_warm_start_demo_pretrains_on_other_classes_with_the_page_as_a_device(tmp_path: Path) -> None:
     """--warm-start: the base is pretrained on the first classes only, the fleet holds only the others, the warm
     export carries the pretrained tensors (read here from the emulator's file, not through the exporter) and

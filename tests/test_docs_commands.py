@@ -315,6 +315,7 @@ def _help_block(block: Block) -> None:
 RUNNABLE = [doc for doc in DOCS if any(b.mode in ("run", "help") for b in command_blocks(doc))]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("doc", RUNNABLE, ids=[str(d.relative_to(ROOT)) for d in RUNNABLE])
 def test_doc_commands_run_as_written(doc: Path, tmp_path: Path) -> None:
     blocks = command_blocks(doc)

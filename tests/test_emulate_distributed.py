@@ -85,6 +85,7 @@ def saved(out) -> tuple[list[dict], FleetState]:
     return metrics, load_state(out / STATE)
 
 
+@pytest.mark.long
 def test_cli_world_size_2_then_torchrun_resume_match_one_process(tmp_path, monkeypatch):
     """One thread per process everywhere, so each client's float32 training is the same computation;
     the shared tensors may still differ by an ulp (the all_reduce sums the float64 n_j-weighted

@@ -15,6 +15,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "emulator_gpu.py"
 MEASURED = ("round_s", "samples_s", "gflop_sample", "tflop_s", "peak_gib", "grid_min")
 
 
+@pytest.mark.long
 @pytest.mark.timeout(600)  # about 2 minutes on an idle 2-core machine; the budget lets every step start under load
 def test_quick_benchmark_writes_every_row_with_positive_figures(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(BENCH), "--quick", "--budget", "420", "--out", str(tmp_path)],

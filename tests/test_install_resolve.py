@@ -90,7 +90,7 @@ PLATFORMS = {
 }
 TARGETS = [(name, python) for name in PLATFORMS for python in PYTHONS]
 # The module's fixture runs every resolve in the first test's setup: minutes on a loaded machine.
-pytestmark = [pytest.mark.network, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.network, pytest.mark.long, pytest.mark.timeout(1200)]
 
 
 def resolve(platform: str, python: str, requirements: list[str], workdir: Path) -> dict:

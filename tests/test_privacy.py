@@ -59,6 +59,7 @@ def image_rows(data: Path, manifest: Manifest, count: int = 4) -> list[bytes]:
     return rows
 
 
+@pytest.mark.long
 def test_a_listener_on_every_topic_sees_no_head_and_no_image(mosquitto, tmp_path: Path, tiny_artifacts: Path,
                                                              processes: Processes) -> None:
     manifest = Manifest.load(tiny_artifacts)

@@ -325,6 +325,7 @@ def assert_contained(run: FloodedRun, broker) -> None:
     assert "dropped" not in broker.log.read_text()  # "Outgoing messages are being dropped for client ..."
 
 
+@pytest.mark.long
 @pytest.mark.mosquitto
 def test_a_device_flooding_tiny_chunks_costs_no_honest_update_and_no_deadline(
         mosquitto_factory, tmp_path: Path, tiny_artifacts: Path, processes: Processes) -> None:
@@ -336,6 +337,7 @@ def test_a_device_flooding_tiny_chunks_costs_no_honest_update_and_no_deadline(
     assert_contained(run, broker)
 
 
+@pytest.mark.long
 @pytest.mark.mosquitto
 def test_an_unpaced_flood_of_tiny_chunks_costs_no_honest_update_and_no_deadline(
         mosquitto_factory, tmp_path: Path, tiny_artifacts: Path, processes: Processes) -> None:

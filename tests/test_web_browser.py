@@ -44,6 +44,7 @@ pytestmark = [
 ]
 
 
+@pytest.mark.long
 @pytest.mark.timeout(600)
 def test_a_browser_page_takes_part_in_fedper_rounds(ws_broker, tiny_artifacts, processes, tmp_path):
     mosquitto = ws_broker.broker
@@ -84,9 +85,14 @@ def test_a_browser_page_takes_part_in_fedper_rounds(ws_broker, tiny_artifacts, p
     spy.loop_stop()
     result = json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else {"error": done.stderr}
     if "error" in result:  # in full, as pytest shortens a long assertion message
-        print("the page said:", *result.get("log") or [], "the coordinator said:", processes.log("coordinator")[-3000:],
-              sep="\n")
+        print("the page said:", *result.get("log") or [], "stuck loading:", *result.get("stuck") or [],
+              "the coordinator said:", processes.log("coordinator")[-3000:], sep="\n")
     assert "error" not in result, result["error"]
+    # WebKitGTK alone has been seen to stay at the page's first status under load; one more reload is allowed there
+    engine = os.environ.get("ENGINE", "chromium")
+    if result["stuck"]:
+        print(f"{engine} did not finish loading the page; reloaded:", *result["stuck"], sep="\n")
+    assert len(result["stuck"]) <= (1 if engine == "webkit" else 0), result["stuck"]
     assert result["isolated"], "the page is not cross-origin isolated: no wasm threads"
     assert not [m for m in result["console"] if "404" in m or "favicon" in m], result["console"]  # its icon is inline
     # none at all, e.g. websockify's "broken close frame containing a reserved status code" when the page closes
@@ -106,7 +112,7 @@ def test_a_browser_page_takes_part_in_fedper_rounds(ws_broker, tiny_artifacts, p
     assert during[9 * len(during) // 10] <= RESPONSIVE_MS, during[-5:]
     assert result["trainingStatus"] and all(PROGRESS.search(line) for line in result["trainingStatus"]), result
     assert not result["lacksOnLoopback"]  # http on loopback is a secure context: nothing lacks
-    if os.environ.get("ENGINE", "chromium") == "chromium":  # only chromium maps a name to loopback for the test
+    if engine == "chromium":  # only chromium maps a name to loopback for the test
         assert "one thread" in result["plainHttp"] and "--web-cert" in result["plainHttp"], result["plainHttp"]
 
     assert result["reloadedAfter"] >= 2

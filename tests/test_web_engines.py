@@ -21,6 +21,7 @@ pytestmark = [
 ]
 
 
+@pytest.mark.long
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("engine", sorted(NEEDS))
 def test_the_page_takes_part_in_every_engine(engine, ws_broker, tiny_artifacts, processes, tmp_path, monkeypatch):

@@ -17,6 +17,7 @@ import { ENGINE, launch, poller } from './engines.mjs';
 
 const [url, imagesDir, reloadAfter, timeoutS] = process.argv.slice(2);
 const deadline = Date.now() + Number(timeoutS) * 1000;
+const LOAD_PATIENCE_S = 120; // a load takes seconds, a minute on a loaded machine
 const browser = await launch(ENGINE, Number(timeoutS));
 const result = { console: [], responsiveMs: [], idleMs: [], trainingStatus: [] };
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
@@ -29,8 +30,21 @@ try {
   await page.setViewport({ width: 412, height: 915, deviceScaleFactor: 1, isMobile: true, hasTouch: true });
   const shot = (name, on = page) => (process.env.SHOTS ? on.screenshot({ path: join(process.env.SHOTS, `${name}.png`), fullPage: true }) : null);
   const until = poller(page, deadline);
+  // WebKitGTK on a loaded machine now and then never finishes loading the page: it stays at its first status while
+  // the web process spins. A person would reload it; so does this, once, and keeps what the page showed (`stuck`).
+  result.stuck = [];
+  const loads = async (what, check) => {
+    try {
+      return await poller(page, Math.min(deadline, Date.now() + LOAD_PATIENCE_S * 1000))(what, check);
+    } catch (e) {
+      const seen = await page.evaluate(() => ({ readyState: document.readyState, log: JSON.parse(localStorage.getItem('fedper-log') ?? '[]').slice(-5) })).catch(() => null);
+      result.stuck.push({ what: e.message, seen });
+      await page.reload();
+      return until(what, check);
+    }
+  };
   await page.goto(url);
-  await until('the model', () => window.fedper !== undefined);
+  await loads('the model', () => window.fedper !== undefined);
   result.isolated = await page.evaluate(() => self.crossOriginIsolated);
   result.shared = await page.evaluate(() => typeof SharedArrayBuffer !== 'undefined');
   if (ENGINE === 'chromium') { // the name phone.test is mapped to 127.0.0.1 by chromium's --host-resolver-rules
@@ -79,7 +93,7 @@ try {
     sampling = false; // no script call in flight while the page navigates: WebKit's WebDriver may never answer it
     await sampler;
     await page.reload();
-    await until('the page to rejoin', () => window.fedper?.running());
+    await loads('the page to rejoin', () => window.fedper?.running());
     sampling = true;
     sampler = sample();
   }
