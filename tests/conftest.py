@@ -21,14 +21,6 @@ from helpers.websocket import websockify_factory, ws_broker  # noqa: F401  (fixt
 
 from fedper.ports import free_port
 
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests marked `long` (a minute or so each) run first: pytest-xdist's worksteal hands each worker a contiguous
-    share and lets an idle one take from the end of another's, so the long tests start early, the short ones even
-    out the end, and no worker finishes alone with a long test still to run."""
-    items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable: the rest keep their order
-
-
 MOSQUITTO = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
 SKIP_REASON = "mosquitto not installed (apt-get install mosquitto)"
 
