@@ -101,7 +101,10 @@ try {
   sampling = false;
   await sampler;
   // the status follows once the agent has said goodbye to the broker, a moment after the accuracy is known
-  result.status = await until('the page to say finished', () => document.querySelector('#status').textContent.startsWith('finished') && document.querySelector('#status').textContent);
+  result.status = await until('the page to say finished', () => {
+    const status = document.querySelector('#status').textContent;
+    return status.startsWith('finished') && status;
+  });
   await shot('end');
   result.log = await page.evaluate(() => window.fedper.lines);
   result.device = await page.evaluate(() => window.fedper.device);
