@@ -45,6 +45,7 @@ research and fleets whose coordinator is trusted (central DP), not a certified d
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -436,17 +437,24 @@ class PrivacyAccountant:
         return _epsilon([*self.history, more], self.delta, self.accounting, self.sampling,
                         None if known is None else known + _rdp_of([more], self.sampling))
 
+    def _history_digest(self) -> str:
+        """What `rdp` was computed for: a checkpoint whose history was edited must not keep a stale, smaller sum."""
+        return hashlib.sha256(json.dumps([list(entry) for entry in self.history]).encode()).hexdigest()
+
     def to_json(self) -> str:
-        rdp = {} if self.rdp is None else {"rdp": list(self.rdp)}
+        rdp = {} if self.rdp is None else {"rdp": list(self.rdp), "rdp_of": self._history_digest()}
         return json.dumps({"delta": self.delta, "accounting": self.accounting, "sampling": self.sampling,
                            "history": [list(entry) for entry in self.history], **rdp})
 
     @classmethod
     def from_json(cls, text: str) -> PrivacyAccountant:
         body = json.loads(text)
-        return cls(delta=float(body["delta"]), accounting=body["accounting"],  # before "sampling": Poisson
-                   history=[tuple(entry) for entry in body["history"]], sampling=body.get("sampling", "poisson"),
-                   rdp=body.get("rdp"))  # before "rdp": computed from the history at the first use
+        accountant = cls(delta=float(body["delta"]), accounting=body["accounting"],  # before "sampling": Poisson
+                         history=[tuple(entry) for entry in body["history"]],
+                         sampling=body.get("sampling", "poisson"), rdp=body.get("rdp"))
+        if body.get("rdp_of") != accountant._history_digest():  # none (older state) or another history's
+            accountant.rdp = None  # computed from the history at the first use
+        return accountant
 
 
 def noise_multiplier_for(target_epsilon: float, delta: float, sampling_rate: float, rounds: int,

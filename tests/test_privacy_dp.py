@@ -394,6 +394,12 @@ def test_a_restored_accountant_computes_no_round_of_its_history_again() -> None:
             PrivacyAccountant.from_json(json.dumps({**before, "rdp": bad}))
     with pytest.raises(ValueError, match="rdp must be"):  # a noiseless round has no finite Rényi DP
         PrivacyAccountant(1e-5, history=[(1, 0.5, 0.0)], rdp=accountant.rdp)
+    edited = json.loads(accountant.to_json())  # a history edited by hand: the kept sum is another history's
+    edited["history"].append([5, 0.5, 0.9])
+    library.compose(dp_accounting.SelfComposedDpEvent(  # 1 device of 2, replace-one: the sum moves by 2C, so z / 2
+        dp_accounting.SampledWithoutReplacementDpEvent(2, 1, dp_accounting.GaussianDpEvent(0.9 / 2)), 5))
+    assert PrivacyAccountant.from_json(json.dumps(edited)).epsilon() == pytest.approx(library.get_epsilon(1e-5),
+                                                                                       rel=1e-12)
 
 
 def test_a_device_whose_rounds_are_known_gets_no_subsampling_discount() -> None:
