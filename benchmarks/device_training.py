@@ -4,7 +4,9 @@ Same CPU, same model, same batches (edge.backend.batch_order over the same rando
 plain SGD. Every number is a ratio measured in this run: ORT samples/s / PyTorch samples/s, the
 median over `repeats` alternating measurements. Then the experiments: ORT's own profile (time per
 op type, depthwise and dense convolutions apart), thread settings, graph optimization level,
-PyTorch channels-last, and how much of a step the input pipeline takes.
+PyTorch channels-last, and how much of a step the input pipeline takes. Last, the agent's start: CPU seconds
+and peak memory of a fresh process that chooses the ORT backend and opens the artifacts, as shipped
+(edge/ort_import.py keeps torch out) and with torch imported first (what onnxruntime-training's own imports did).
 
     python benchmarks/device_training.py [--quick] [--out runs/bench]
 """
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import collections
 import json
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -235,6 +239,36 @@ def input_pipeline(arch: str, width: float, directory: Path, x: np.ndarray, y: n
             "samples_s": ort_rate, "ort_over_torch": float("nan"), "gather_share": gather_s / epoch_s}
 
 
+# ---------------------------------------------------------------- the agent's start
+
+AGENT_START = """
+import json, pathlib, sys, time
+started = time.process_time()
+if sys.argv[2] == "torch first":
+    import torch
+from fedper.edge.backend import check_artifacts, choose_backend, open_backend
+kind, _ = choose_backend("ort")
+open_backend(kind, sys.argv[1], check_artifacts(sys.argv[1]))
+status = pathlib.Path("/proc/self/status").read_text().splitlines()
+peak = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
+print(json.dumps({"cpu_s": time.process_time() - started, "peak_rss_mib": peak, "torch": "torch" in sys.modules}))
+"""
+
+
+def agent_start(directory: Path, repeats: int) -> list[dict[str, Any]]:
+    """Per way of starting: the median CPU seconds to an open ORT backend and the peak RSS (VmHWM, Linux), each
+    start a fresh process, the two ways alternating."""
+    runs: dict[str, list[dict[str, Any]]] = {"as shipped": [], "torch first": []}
+    for _ in range(repeats):
+        for way, seen in runs.items():
+            done = subprocess.run([sys.executable, "-c", AGENT_START, str(directory), way], capture_output=True,
+                                  text=True, check=True)
+            seen.append(json.loads(done.stdout.splitlines()[-1]))
+    return [{"start": way, "cpu_s": round(median([r["cpu_s"] for r in seen]), 2),
+             "peak_rss_mib": round(median([r["peak_rss_mib"] for r in seen])), "torch_loaded": seen[0]["torch"]}
+            for way, seen in runs.items()]
+
+
 # ---------------------------------------------------------------- entry points
 
 
@@ -249,7 +283,9 @@ def run(out: Path, quick: bool = False) -> str:
             profiles = {f"{arch} w{width} B=128": profile(export(cache, arch, width)[0], 128)
                         for arch, width in (("mobilenet_v1", 1.0), ("resnet34", 1.0))}
             extra = experiments(cache, repeats=2)
-    write_json(out, "device_training", {"compare": rows, "profiles": profiles, "experiments": extra})
+        starts = agent_start(export(cache, "mobilenet_v1", 1.0 if not quick else 0.5)[0], repeats=1 if quick else 3)
+    write_json(out, "device_training", {"compare": rows, "profiles": profiles, "experiments": extra,
+                                        "agent_start": starts})
     text = table(["model", "width", "B", "ORT samples/s", "PyTorch samples/s", "ORT / PyTorch (median)"],
                  [[r["model"], r["width"], r["batch"], r["ort_samples_s"], r["torch_samples_s"], r["ratio"]]
                   for r in rows])
@@ -262,6 +298,9 @@ def run(out: Path, quick: bool = False) -> str:
                       [[r["model"], r["runtime"], r["variant"], r["samples_s"], r["ort_over_torch"],
                         f"{r['gather_share']:.2%}" if "gather_share" in r else ""]
                        for r in extra])
+    text += "\n\nthe agent's start (a fresh process: ORT backend chosen, artifacts opened):\n"
+    text += table(["start", "CPU s", "peak RSS MiB", "torch loaded"],
+                  [[r["start"], r["cpu_s"], r["peak_rss_mib"], r["torch_loaded"]] for r in starts])
     return text
 
 

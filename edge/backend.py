@@ -13,15 +13,17 @@ from __future__ import annotations
 import importlib
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Protocol
 
 import numpy as np
 
 from fedper.artifacts import ORT_WHEELS
 from fedper.batches import EVAL_BATCH, epoch_batches
+from fedper.edge.ort_import import training_api
 from fedper.manifest import Manifest, ManifestError
 from fedper.verify import verify
 
@@ -32,14 +34,14 @@ class BackendUnavailable(ValueError):
     """A --backend whose runtime this device cannot import: a bad option value here, reported as one."""
 
 
-def _version(module: str) -> str | None:
-    """Its package's version when `module` imports, else None: a real import, not a lookup, so that a runtime
+def _version(load: Callable[[], ModuleType], package: str) -> str | None:
+    """`package`'s version when `load` imports it, else None: a real import, not a lookup, so that a runtime
     that is present but cannot load counts as missing (the backend imports it next anyway)."""
     try:
-        importlib.import_module(module)
+        load()
     except ImportError:
         return None
-    return str(getattr(sys.modules[module.partition(".")[0]], "__version__", "?"))
+    return str(getattr(sys.modules[package], "__version__", "?"))
 
 
 def choose_backend(kind: str) -> tuple[str, str]:
@@ -48,14 +50,14 @@ def choose_backend(kind: str) -> tuple[str, str]:
     if kind not in BACKENDS:
         raise ValueError(f"--backend {kind!r}: choose one of {', '.join(BACKENDS)}")
     if kind in ("auto", "ort"):
-        ort = _version("onnxruntime.training")
+        ort = _version(training_api, "onnxruntime")
         if ort is not None:
             return "ort", f"training with onnxruntime-training {ort} (--backend {kind})"
         if kind == "ort":
             raise BackendUnavailable(f"--backend ort: onnxruntime-training is not installed ({ORT_WHEELS}); use "
                                      "--backend torch (or auto), or build onnxruntime with its training APIs "
                                      "(deploy/README.md)")
-    torch = _version("torch")
+    torch = _version(lambda: importlib.import_module("torch"), "torch")
     if torch is not None:
         why = ": onnxruntime-training is not installed" if kind == "auto" else ""
         return "torch", f"training with torch {torch} (--backend {kind}{why})"

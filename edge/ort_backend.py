@@ -23,6 +23,7 @@ import numpy as np
 from fedper.algorithms import check_trained
 from fedper.artifacts import CHECKPOINT_FILE, EVAL_MODEL, OPTIMIZER_MODEL, TRAINING_MODEL
 from fedper.edge.backend import TrainStats, evaluate_batches, run_epochs
+from fedper.edge.ort_import import training_api
 from fedper.manifest import Manifest, ManifestError
 
 
@@ -43,8 +44,7 @@ def _model_file(directory: Path, name: str) -> str:
 
 class OrtBackend:
     def __init__(self, artifacts: Path, manifest: Manifest) -> None:
-        from onnxruntime.training import api
-
+        api = training_api()
         if not manifest.artifact_sets:
             raise ManifestError(f"{artifacts}: the manifest lists no training artifact sets")
         self.manifest = manifest

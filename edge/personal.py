@@ -24,6 +24,7 @@ import numpy as np
 
 from fedper import checkpoint
 from fedper.artifacts import INFERENCE_FILE, INPUT_NAME
+from fedper.edge import ort_import
 from fedper.manifest import Manifest
 
 PERSONAL_MODEL = "personal.onnx"
@@ -71,7 +72,7 @@ def predict(state_dir: Path, images: Sequence[Path]) -> tuple[dict[str, Any], np
         raise ValueError(f"{state_dir} holds no personal model yet ({PERSONAL_MODEL}, {PERSONAL_INFO}): the agent "
                          "writes it after its first round")
     try:
-        import onnxruntime
+        onnxruntime = ort_import.onnxruntime()
     except ImportError:
         raise ValueError("predict runs the model with onnxruntime, which is not installed here: pip install "
                          "onnxruntime") from None

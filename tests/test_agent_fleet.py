@@ -8,6 +8,8 @@ that `fedper-emulate` (PyTorch) computes from the same data, initial weights, se
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 import threading
@@ -117,6 +119,50 @@ def test_two_agents_two_rounds_match_an_independent_computation(tmp_path: Path, 
     assert all(a.final_accuracy is not None for a in agents), "\n".join(logs)
     assert all(a.state.load(a.manifest).round == ROUNDS for a in agents)  # the head survives on disk
     assert any("samples/s" in line and "peak RSS" in line for line in logs)
+
+
+def imported_modules(import_log: str) -> set[str]:
+    """The modules a process imported, from its PYTHONPROFILEIMPORTTIME=1 lines ('import time: ... | name')."""
+    return {line.rsplit("|", 1)[1].strip() for line in import_log.splitlines() if line.startswith("import time:")}
+
+
+def test_agent_processes_train_without_loading_torch_and_match_the_computation(tmp_path: Path, artifacts: Path,
+                                                                              mosquitto) -> None:
+    """edge/ort_import.py: `fedper-agent` processes on the ORT backend never import torch (Python's own import log
+    says so; the peak memory they log is that of a process without it) and their two rounds are the same
+    computation by hand that this process, torch loaded, makes."""
+    data = device_data(tmp_path)
+    coordinator_dir = tmp_path / "coordinator"
+    coordinator = start_coordinator(artifacts, mosquitto.url, coordinator_dir, "no-torch")
+    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
+    logs = [tmp_path / f"agent{j}.log" for j in range(len(data))]
+    agents = []
+    for j, (path, log) in enumerate(zip(data, logs, strict=True)):
+        with log.open("w") as out:
+            agents.append(subprocess.Popen(
+                [sys.executable, "-m", "fedper.edge.cli", "--artifacts", str(artifacts), "--data", str(path),
+                 "--broker", mosquitto.url, "--fleet", "no-torch", "--client-id", f"dev{j}", "--state-dir",
+                 str(tmp_path / f"state{j}"), "--batch-size", str(BATCH), "--lr", str(LR), "--seed", str(SEED),
+                 "--backend", "ort"], stdout=out, stderr=subprocess.STDOUT, env=env))
+    try:
+        assert coordinator.wait(timeout=120) == 0, coordinator.stderr.read()
+        for agent in agents:
+            assert agent.wait(timeout=60) == 0
+    finally:
+        for proc in (*agents, coordinator):
+            proc.kill()
+    for log in logs:
+        modules = imported_modules(log.read_text())
+        assert "onnxruntime.training.api" in modules and "fedper.edge.ort_backend" in modules
+        assert not [m for m in modules if m == "torch" or m.startswith("torch.")], log.read_text()[-2000:]
+        peaks = [int(mb) for mb in re.findall(r"peak RSS (\d+) MB", log.read_text())]
+        assert peaks and max(peaks) < 400, peaks  # torch alone would take 500 MB more
+
+    final = load_file(str(coordinator_dir / "final.safetensors"))
+    expected = reference_base(artifacts, data, tmp_path)
+    assert "torch" in sys.modules and set(final) == set(expected)
+    gaps = {n: float(np.linalg.norm(final[n] - expected[n]) / max(np.linalg.norm(expected[n]), 1e-12)) for n in final}
+    assert max(gaps.values()) < 1e-6, sorted(gaps.items(), key=lambda kv: -kv[1])[:3]
 
 
 def test_agents_train_with_the_settings_the_coordinator_sends(tmp_path: Path, artifacts: Path, mosquitto) -> None:

@@ -55,7 +55,8 @@ FORBIDDEN = {
     "fedper.coordinator.strategies": ("fedper.coordinator.engine", "fedper.coordinator.service",
                                       "fedper.coordinator.cli"),
     "fedper.edge.engine": ("fedper.edge.agent", "fedper.edge.backend", "fedper.edge.ort_backend",
-                           "fedper.edge.torch_backend", "fedper.edge.service", "fedper.edge.cli", "fedper.edge.state",
+                           "fedper.edge.ort_import", "fedper.edge.torch_backend", "fedper.edge.service",
+                           "fedper.edge.cli", "fedper.edge.state",
                            "fedper.edge.eligibility", "fedper.mqtt", "fedper.checkpoint", "fedper.data", "paho",
                            "onnxruntime", "torch", "os", "io", "pathlib", "shutil", "subprocess", "tempfile", "socket"),
 }
