@@ -242,22 +242,22 @@ def input_pipeline(arch: str, width: float, directory: Path, x: np.ndarray, y: n
 # ---------------------------------------------------------------- the agent's start
 
 AGENT_START = """
-import json, pathlib, sys, time
+import json, sys, time
 started = time.process_time()
 if sys.argv[2] == "torch first":
     import torch
+from fedper.edge.agent import peak_rss_mb
 from fedper.edge.backend import check_artifacts, choose_backend, open_backend
 kind, _ = choose_backend("ort")
 open_backend(kind, sys.argv[1], check_artifacts(sys.argv[1]))
-status = pathlib.Path("/proc/self/status").read_text().splitlines()
-peak = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
-print(json.dumps({"cpu_s": time.process_time() - started, "peak_rss_mib": peak, "torch": "torch" in sys.modules}))
+print(json.dumps({"cpu_s": time.process_time() - started, "peak_rss_mib": peak_rss_mb(),
+                  "torch": "torch" in sys.modules}))
 """
 
 
 def agent_start(directory: Path, repeats: int) -> list[dict[str, Any]]:
-    """Per way of starting: the median CPU seconds to an open ORT backend and the peak RSS (VmHWM, Linux), each
-    start a fresh process, the two ways alternating."""
+    """Per way of starting: the median CPU seconds to an open ORT backend and the peak RSS (the agent's own
+    figure), each start a fresh process, the two ways alternating."""
     runs: dict[str, list[dict[str, Any]]] = {"as shipped": [], "torch first": []}
     for _ in range(repeats):
         for way, seen in runs.items():

@@ -3,7 +3,7 @@
 onnxruntime-training 1.19 imports torch as it starts: `import onnxruntime` runs a build check that tries
 ORTModule (torch's training wrapper), and `onnxruntime.training`'s `__init__` imports amp and optim, both
 torch code. The agent needs neither: `onnxruntime.training.api` (on-device training) and InferenceSession
-are the C++ runtime. That import alone cost each agent 2.7 s of CPU and 490 MiB of resident memory
+are the C++ runtime. That import alone cost each agent 1.9 s of CPU and 490 MiB of resident memory
 (docs/performance.md, "The agent's start").
 
 So, where torch is not loaded yet, torch is hidden while onnxruntime starts (its build check then skips
