@@ -17,6 +17,7 @@ Skipped when PyPI is not reachable, or when pip is older than 25.3 (older ones d
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -89,7 +90,7 @@ PLATFORMS = {
                                                        "platform_machine": "x86_64"}),
 }
 TARGETS = [(name, python) for name in PLATFORMS for python in PYTHONS]
-# The module's fixture runs every resolve in the first test's setup: minutes on a loaded machine.
+# The session's fixture runs every resolve once, in the setup of the first test that asks: minutes on a loaded machine.
 pytestmark = [pytest.mark.network, pytest.mark.long, pytest.mark.timeout(1200)]
 
 
@@ -158,15 +159,38 @@ def resolve_all(work: Path) -> dict:
                         for name, files in runtimes.items() for platform, py in TARGETS}}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def closures(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """resolve_all's answer, computed once per run: pytest-xdist may hand this module's tests to several workers,
+    and each would otherwise run every resolve again (100 s of CPU each time). The first worker resolves under a
+    lock in the run's shared temp folder; the others wait for it and read its answer."""
     reason = pip_too_old()
     if reason:
         pytest.skip(reason)
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # the same in every worker of one run; absent without xdist
+    if run is None:
+        return resolve_or_skip(tmp_path_factory.mktemp("resolve"))
+    shared = tmp_path_factory.getbasetemp().parent / f"install-resolve-{run}.json"
+    with open(f"{shared}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not shared.exists():
+            found = resolve_or_skip(tmp_path_factory.mktemp("resolve"), shared)
+            shared.write_text(json.dumps([[list(key), value] for key, value in found.items()]))
+    answer = json.loads(shared.read_text())
+    if isinstance(answer, str):
+        pytest.skip(answer)
+    return {tuple(key): value for key, value in answer}
+
+
+def resolve_or_skip(work: Path, shared: Path | None = None) -> dict:
+    """resolve_all(work), or a skip when the index is unreachable (written to `shared` for the other workers)."""
     try:
-        return resolve_all(tmp_path_factory.mktemp("resolve"))
+        return resolve_all(work)
     except OSError as e:
-        pytest.skip(f"{INDEX} is not reachable ({e})")
+        reason = f"{INDEX} is not reachable ({e})"
+        if shared is not None:
+            shared.write_text(json.dumps(reason))
+        pytest.skip(reason)
 
 
 @pytest.mark.parametrize(("platform", "python"), TARGETS)
