@@ -238,9 +238,11 @@ def test_embedded_broker_full_run(tmp_path: Path) -> None:
     url = f"mqtt://127.0.0.1:{port}"
     devices = [Device(url, "a", 10, 1.0, manifest, protocol="3.1.1"),
                Device(url, "b", 30, 2.0, manifest, protocol="3.1.1")]
-    out, _ = proc.communicate(timeout=60)
-    for d in devices:
+    wait_for(lambda: all(d.latest and d.latest.state == "finished" for d in devices), 60, "the final model")
+    for d in devices:  # as an agent leaves once it has the final model: the coordinator stops without lingering
+        d.client.publish(TOPICS.presence(d.name), b"offline", qos=1, retain=True).wait_for_publish(10)
         d.close()
+    out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out.decode()
     assert_model(tmp_path / "state" / "final.safetensors", expected_model(initial, devices, 2))
 
