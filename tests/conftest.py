@@ -101,6 +101,16 @@ def mosquitto(mosquitto_factory: Callable[..., Broker]) -> Broker:
     return mosquitto_factory()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def install_resolves_under_way(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """test_install_resolve's pip resolves, started as the session starts when its tests are selected: they take
+    minutes, mostly waiting on the index, and so run beside the other tests instead of holding a worker."""
+    if any(item.path.name == "test_install_resolve.py" for item in request.session.items):
+        from test_install_resolve import start_resolving
+
+        start_resolving(tmp_path_factory)
+
+
 TinyExport = Callable[..., Path]
 
 

@@ -7,9 +7,11 @@ its marker environment replaced by the target's. The expectations come from the 
 onnxruntime-training and torch must be in a closure exactly where PyPI lists a wheel of them that the target
 accepts (`packaging.tags`, the tag rules pip vendors).
 
-All the resolves run at once: each one waits mostly on the network (one resolve made about 2,350 HTTP range
-requests for wheels' metadata, the index serving none apart; 50-100 s of wall time for 5-12 s of CPU, one at a
-time), so the slowest one sets the time. `make check-install` asks for twice as many.
+All the resolves run at once: each one waits mostly on the network (one resolve made about 1,200 HTTP range
+requests for wheels' metadata; 80 s of wall time for 12 s of CPU, alone), so the slowest one sets the time.
+`make check-install` asks for twice as many. They run once per test run, in the background from the session's
+start (tests/conftest.py) and at the lowest CPU priority, in whichever pytest-xdist worker takes them first; the
+tests read that worker's answer.
 
 Skipped when PyPI is not reachable, or when pip is older than 25.3 (older ones download every wheel of a
 --dry-run: gigabytes of torch and CUDA libraries).
@@ -18,11 +20,13 @@ Skipped when PyPI is not reachable, or when pip is older than 25.3 (older ones d
 from __future__ import annotations
 
 import fcntl
+import importlib.metadata
 import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,6 +48,8 @@ EXTRAS = "coordinator,emulate,privacy"  # the device install plus every extra a 
 PI_TORCH = "torch<2.11"  # deploy/README.md's advice for a Raspberry Pi: 2.10 is PyPI's last CPU-only aarch64 torch
 PI_PYTHONS = ("3.11", "3.13") if ALL else ("3.11",)  # Raspberry Pi OS bookworm's and trixie's
 
+# pip runs at the lowest CPU priority: the resolves run beside the rest of the suite (conftest starts them first).
+LOW_PRIORITY = ["nice", "-n", "19"] if shutil.which("nice") else []
 # Runs pip with the target's marker environment: `python -c PIP_AS_TARGET '{"platform_machine": ...}' install ...`.
 PIP_AS_TARGET = """
 import json, runpy, sys
@@ -90,7 +96,6 @@ PLATFORMS = {
                                                        "platform_machine": "x86_64"}),
 }
 TARGETS = [(name, python) for name in PLATFORMS for python in PYTHONS]
-# The session's fixture runs every resolve once, in the setup of the first test that asks: minutes on a loaded machine.
 pytestmark = [pytest.mark.network, pytest.mark.long, pytest.mark.timeout(1200)]
 
 
@@ -103,8 +108,8 @@ def resolve(platform: str, python: str, requirements: list[str], workdir: Path) 
     # --isolated: PyPI alone, no local index, find-links or constraint file from this machine's pip config.
     # fast-deps: metadata by HTTP range requests where the index does not serve it apart (PEP 658).
     command = [
-        sys.executable, "-c", PIP_AS_TARGET, json.dumps(env), "install", "--isolated", "--dry-run", "--quiet",
-        "--ignore-installed", "--only-binary=:all:", "--index-url", INDEX, "--use-feature=fast-deps",
+        *LOW_PRIORITY, sys.executable, "-c", PIP_AS_TARGET, json.dumps(env), "install", "--isolated", "--dry-run",
+        "--quiet", "--ignore-installed", "--only-binary=:all:", "--index-url", INDEX, "--use-feature=fast-deps",
         "--python-version", python, "--target", str(workdir / "never-written"), "--report", str(report),
         *(f"--platform={tag}" for tag in target.tags), *requirements,
     ]
@@ -133,11 +138,12 @@ def has_wheel(files: list[dict], platform: str, python: str) -> bool:
 
 
 def pip_too_old() -> str | None:
-    from pip import __version__
-
-    major, minor = (int(part) for part in __version__.split(".")[:2])
+    """Read from pip's metadata: importing pip turns off setuptools' distutils shim for the whole process, and a
+    later import of setuptools (onnxruntime's start imports it through torch) then fails."""
+    version = importlib.metadata.version("pip")
+    major, minor = (int(part) for part in version.split(".")[:2])
     if (major, minor) < (25, 3):
-        return f"pip {__version__} downloads every wheel of a --dry-run (pip >= 25.3 does not): pip install -U pip"
+        return f"pip {version} downloads every wheel of a --dry-run (pip >= 25.3 does not): pip install -U pip"
     return None
 
 
@@ -147,8 +153,8 @@ def resolve_all(work: Path) -> dict:
     runtimes = {"onnxruntime-training-cpu": wheels("onnxruntime-training-cpu", "1.19.2"), "torch": wheels("torch")}
     source = work / "src"  # a copy, so that the build leaves nothing in the checkout
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".*", "__pycache__", "runs", "build", "*.egg-info"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(work),
-                    str(source)], check=True, capture_output=True)
+    subprocess.run([*LOW_PRIORITY, sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(work), str(source)], check=True, capture_output=True)
     (wheel,) = work.glob("fedper_edge-*.whl")
     jobs = {("package", name, py): [f"fedper-edge[{EXTRAS}] @ {wheel.as_uri()}"] for name, py in TARGETS}
     jobs |= {("pi", "linux-aarch64", py): [f"fedper-edge @ {wheel.as_uri()}", PI_TORCH] for py in PI_PYTHONS}
@@ -159,38 +165,61 @@ def resolve_all(work: Path) -> dict:
                         for name, files in runtimes.items() for platform, py in TARGETS}}
 
 
-@pytest.fixture(scope="session")
-def closures(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """resolve_all's answer, computed once per run: pytest-xdist may hand this module's tests to several workers,
-    and each would otherwise run every resolve again (100 s of CPU each time). The first worker resolves under a
-    lock in the run's shared temp folder; the others wait for it and read its answer."""
+def answer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the run's one answer lives: the folder every pytest-xdist worker of the run shares (their base temp's
+    parent), or the session's base temp without xdist. Its lock is held while a resolve is under way."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "install-resolve.json"
+
+
+def answer(work: Path) -> list | str:
+    """resolve_all's answer as JSON, or why the module is skipped."""
     reason = pip_too_old()
     if reason:
-        pytest.skip(reason)
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # the same in every worker of one run; absent without xdist
-    if run is None:
-        return resolve_or_skip(tmp_path_factory.mktemp("resolve"))
-    shared = tmp_path_factory.getbasetemp().parent / f"install-resolve-{run}.json"
-    with open(f"{shared}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not shared.exists():
-            found = resolve_or_skip(tmp_path_factory.mktemp("resolve"), shared)
-            shared.write_text(json.dumps([[list(key), value] for key, value in found.items()]))
-    answer = json.loads(shared.read_text())
-    if isinstance(answer, str):
-        pytest.skip(answer)
-    return {tuple(key): value for key, value in answer}
-
-
-def resolve_or_skip(work: Path, shared: Path | None = None) -> dict:
-    """resolve_all(work), or a skip when the index is unreachable (written to `shared` for the other workers)."""
+        return reason
     try:
-        return resolve_all(work)
+        found = resolve_all(work)
     except OSError as e:
-        reason = f"{INDEX} is not reachable ({e})"
-        if shared is not None:
-            shared.write_text(json.dumps(reason))
-        pytest.skip(reason)
+        return f"{INDEX} is not reachable ({e})"
+    return [[list(key), value] for key, value in found.items()]
+
+
+def start_resolving(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Resolve in a background thread of this process unless another worker of the run does or did: conftest calls
+    it as the session starts, so that pip's resolves (minutes, mostly waiting on the index, at the lowest CPU
+    priority) use what the other tests leave idle, and no worker waits for them when this module's tests come."""
+    path = answer_file(tmp_path_factory)
+    lock = open(f"{path}.lock", "w")  # noqa: SIM115 (the thread closes it, which releases the lock)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        return
+    if path.exists():
+        lock.close()
+        return
+    work = tmp_path_factory.mktemp("resolve")
+
+    def resolve_and_release() -> None:
+        with lock:
+            path.write_text(json.dumps(answer(work)))
+
+    threading.Thread(target=resolve_and_release, name="install-resolve", daemon=True).start()
+
+
+@pytest.fixture(scope="session")
+def closures(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The answer of the run's resolve: it waits for the one under way (here or in another worker) or, when none
+    ran (this module alone without conftest's start, or a worker that exited mid-resolve), resolves itself."""
+    path = answer_file(tmp_path_factory)
+    with open(f"{path}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            path.write_text(json.dumps(answer(tmp_path_factory.mktemp("resolve"))))
+    found = json.loads(path.read_text())
+    if isinstance(found, str):
+        pytest.skip(found)
+    return {tuple(key): value for key, value in found}
 
 
 @pytest.mark.parametrize(("platform", "python"), TARGETS)
