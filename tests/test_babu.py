@@ -76,13 +76,18 @@ def test_figure_babu_runs_fedbabus_setting_and_draws_both_accuracies(tmp_path) -
     assert png.name == "babu-s2.png" and png.stat().st_size > 1000
     runs = sorted((tmp_path / "babu").iterdir())
     assert runs and all("-s2-" in r.name for r in runs)
-    for run in runs:
-        config = RunConfig.from_json((run / "config.json").read_text())
+    configs = [RunConfig.from_json((run / "config.json").read_text()) for run in runs]
+    # 5 clients x 2 shards for every curve; f = 0.1 trains max(1, round(0.5)) = 1 client a round, f = 1.0 all 5
+    assert [(c.data.clients, c.data.partition, c.data.shards) for c in configs] == [(5, "shards", 2)] * 11
+    assert sorted(c.fleet.clients_per_round for c in configs) == [1] * 5 + [5] * 6
+    for run, config in zip(runs, configs, strict=True):
         f = config.fleet
         assert (f.lr, f.momentum, f.lr_milestones, f.eval_finetune_every_algorithm) == (0.1, 0.9, (2, 3), True)
         metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert [m["lr"] for m in metrics] == pytest.approx([0.1, 0.1, 0.01, 0.001])
         assert all(m["finetuned"] and len(m["initial_accuracy"]) == 5 for m in metrics)
+        assert [len(m["selected"]) for m in metrics] == [f.clients_per_round] * 4
+        assert [len(m["accuracy"]) for m in metrics] == [5] * 4
 
 
 def test_a_head_fine_tune_of_a_model_without_a_head_is_refused() -> None:
