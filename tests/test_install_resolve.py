@@ -7,11 +7,11 @@ its marker environment replaced by the target's. The expectations come from the 
 onnxruntime-training and torch must be in a closure exactly where PyPI lists a wheel of them that the target
 accepts (`packaging.tags`, the tag rules pip vendors).
 
-All the resolves run at once: each one waits mostly on the network (one resolve made about 1,200 HTTP range
-requests for wheels' metadata; 80 s of wall time for 12 s of CPU, alone), so the slowest one sets the time.
-`make check-install` asks for twice as many. They run once per test run, in the background from the session's
-start (tests/conftest.py) and at the lowest CPU priority, in whichever pytest-xdist worker takes them first; the
-tests read that worker's answer.
+All the resolves run at once: each one waits mostly on the network (one resolve made about 1,200 HTTP requests,
+most of them range requests for 89 wheels' metadata; 80 s of wall time for 12 s of CPU, alone), so the slowest
+one sets the time. `make check-install` asks for twice as many. They run once per test run, in the background
+from the session's start (tests/conftest.py) and at the lowest CPU priority, in whichever pytest-xdist worker
+takes them first; the tests read that worker's answer.
 
 Skipped when PyPI is not reachable, or when pip is older than 25.3 (older ones download every wheel of a
 --dry-run: gigabytes of torch and CUDA libraries).
