@@ -69,7 +69,7 @@ QUICK_FLOATS = 4096  # the quick form's async runs on a hand-made export of this
 # The quick form's nemesis seed: its first four faults are a broker restart, a device group's and (sync) an agent's
 # SIGKILL or (async) a clock jump, and a coordinator SIGKILL, all within 30 s (the full soak's seed drew no broker
 # restart there: sync killed an agent and the coordinator twice, async the coordinator four times)
-QUICK_NEMESIS = "quick2379"
+NEMESIS, QUICK_NEMESIS = "nemesis", "quick2379"
 FAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1"  # Debian's faketime (make faketime)
 GROUP = 4  # scripted devices per process: a SIGKILL takes a group
 CHUNK = 4096  # several chunks per update, so an upload can break halfway
@@ -445,7 +445,7 @@ def spawn(target: str, *args: Any) -> subprocess.Popen[bytes]:
 
 
 def run_mode(mode: str, seconds: float, devices: int, out: Path, faulty: bool, export: Path | None,
-             agent_count: int, wait_for_agents: bool = True, nemesis: str = "nemesis") -> dict[str, Any]:
+             agent_count: int, wait_for_agents: bool = True, nemesis: str = NEMESIS) -> dict[str, Any]:
     """One run of `mode` for `seconds` with `agent_count` real agents; returns what the nemesis did. Everything else
     is on disk under `out`. `export`: the real export (export_for_agents), copied into the run, or None for a
     hand-made one of QUICK_FLOATS zeros (no agents); `wait_for_agents`: the run's time starts once the agents are
@@ -597,7 +597,7 @@ def main() -> None:
             folder = args.out / f"{mode}-{'faults' if faulty else 'calm'}"
             seconds = (minutes if faulty else calm_minutes) * 60
             run_mode(mode, seconds, devices, folder, faulty, None if hand_made else export,
-                     0 if hand_made else AGENTS[mode], not args.quick, QUICK_NEMESIS if args.quick else "nemesis")
+                     0 if hand_made else AGENTS[mode], not args.quick, QUICK_NEMESIS if args.quick else NEMESIS)
             results[faulty] = chaos_check.check(folder)
         report = chaos_check.summary(mode, results[True], results[False])
         print(report)
