@@ -361,9 +361,7 @@ def demo(
 ) -> None:
     """Run FedPer and then FedAvg (or, with --warm-start, FedPer from a pretrained base and from random weights)
     through a broker, a coordinator and real agents; compare per device."""
-    from fedper.coordinator.broker import EmbeddedBroker
     from fedper.data import DataError
-    from fedper.models.warm_start import CheckpointError
 
     for name, value in (("--lr", lr), ("--pretrain-lr", pretrain_lr)):
         if value <= 0:  # the coordinator refuses it too, but only after the demo has built and started everything
@@ -385,6 +383,9 @@ def demo(
     except DataError as e:
         console.print(f"[red]fedper demo:[/] {e}")
         raise typer.Exit(2) from None
+    from fedper.coordinator.broker import EmbeddedBroker  # torch and the broker: after the input is checked
+    from fedper.models.warm_start import CheckpointError
+
     port = free_port()
     broker = EmbeddedBroker("127.0.0.1", port, ws_port=opts["ws_port"] if with_page else None).start()
     procs = Processes()
