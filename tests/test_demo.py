@@ -41,37 +41,17 @@ def demo(out: Path, *extra: str) -> subprocess.Popen:
 
 
 @pytest.mark.long
-def test_demo_runs_fedper_and_fedavg_and_cleans_up(tmp_path: Path) -> None:
-    """Run twice into the same folder, as `make demo` twice does: the second run starts afresh
-    (an earlier run's coordinator and agent state must not be resumed) and reports its own rounds."""
-    for rounds in ("1", "2"):
-        proc = demo(tmp_path / "run", "--rounds", rounds)
-        output, _ = proc.communicate(timeout=400)
-        assert proc.returncode == 0, output
-        results = json.loads((tmp_path / "run" / "results.json").read_text())
-        assert set(results) == {"fedper", "fedavg"}
-        for result in results.values():
-            assert len(result["round_mean"]) == int(rounds)
-            assert set(result["final"]) == {"dev-0", "dev-1"}
-            assert all(0.0 <= a <= 1.0 for a in result["final"].values())
-        assert (tmp_path / "run" / "demo.png").stat().st_size > 10_000
-        assert "FedPer" in output and "dev-1" in output
-        for name in ("dev-0", "dev-1"):  # each accuracy beside its chance line, from the device's own test labels
-            y = np.load(tmp_path / "run" / "data" / f"{name}.npz")["y_test"]
-            counts = np.bincount(y)
-            words = (f"{np.count_nonzero(counts)} classes: guessing the most frequent gives "
-                     f"{round(100 * counts.max() / len(y))} %")
-            assert f"  {name}: {words}" in output, output
-        assert leftovers(tmp_path / "run") == []
-
-
-def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
+def test_ctrl_c_stops_every_process_and_a_second_run_starts_afresh(tmp_path: Path) -> None:
+    """Ctrl-C two rounds into a 50-round demo stops every process. Run again into the same folder, as `make demo`
+    twice does, the demo starts afresh (the interrupted run's coordinator and agent state must not be resumed:
+    its two rounds would be in the new results) and reports its own round of FedPer and of FedAvg."""
     out = tmp_path / "run"
     proc = demo(out, "--rounds", "50")
+    metrics = out / "fedper" / "coordinator" / "metrics.jsonl"
     deadline = time.monotonic() + 180
-    while not list(out.glob("fedper/dev-*.log")) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    time.sleep(3)  # the agents are up and a round is under way
+    while proc.poll() is None and time.monotonic() < deadline and \
+            len(metrics.read_text().splitlines() if metrics.exists() else []) < 2:
+        time.sleep(0.2)
     assert any(" agent " in line for line in leftovers(out)), "the agents should be running before Ctrl-C"
     proc.send_signal(signal.SIGINT)
     # cleanup is bounded by design (5 s for the agents and the coordinator to stop, then SIGKILL;
@@ -79,6 +59,26 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, output
     assert "interrupted" in output
+    assert leftovers(out) == []
+    assert len(metrics.read_text().splitlines()) >= 2
+
+    proc = demo(out, "--rounds", "1")
+    output, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, output
+    results = json.loads((out / "results.json").read_text())
+    assert set(results) == {"fedper", "fedavg"}
+    for result in results.values():
+        assert len(result["round_mean"]) == 1
+        assert set(result["final"]) == {"dev-0", "dev-1"}
+        assert all(0.0 <= a <= 1.0 for a in result["final"].values())
+    assert (out / "demo.png").stat().st_size > 10_000
+    assert "FedPer" in output and "dev-1" in output
+    for name in ("dev-0", "dev-1"):  # each accuracy beside its chance line, from the device's own test labels
+        y = np.load(out / "data" / f"{name}.npz")["y_test"]
+        counts = np.bincount(y)
+        words = (f"{np.count_nonzero(counts)} classes: guessing the most frequent gives "
+                 f"{round(100 * counts.max() / len(y))} %")
+        assert f"  {name}: {words}" in output, output
     assert leftovers(out) == []
 
 
