@@ -248,7 +248,7 @@ def test_figure_rerun_with_other_settings_recomputes_its_curves(tmp_path):
     from fedper.emulate.figures import make_figure
 
     common = {"out": tmp_path, "dataset": "digits", "rounds": 1, "scale": 0.2, "show_progress": False,
-              "data_overrides": {"clients": 2, "classes_per_client": 2, "input_size": 8}}
+              "models": ("mobilenet_v1",), "data_overrides": {"clients": 2, "classes_per_client": 2, "input_size": 8}}
     make_figure("fig5-6", fleet_overrides={"lr": 0.01, "local_epochs": 1, "batch_size": 16}, **common)
     make_figure("fig5-6", fleet_overrides={"lr": 0.02, "local_epochs": 1, "batch_size": 16}, **common)
     configs = [RunConfig.from_json(p.read_text()) for p in (tmp_path / "fig5-6").glob("*/config.json")]
