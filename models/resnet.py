@@ -7,7 +7,6 @@ parameter count; only the parameter names differ (stem.*, blocks.i.*, classifier
 from __future__ import annotations
 
 from torch import nn
-from torchvision.models.resnet import BasicBlock
 
 from fedper.models.blocknet import BlockNet
 
@@ -19,6 +18,8 @@ def resnet34(num_classes: int, width: float = 1.0, cifar_stem: bool = False) -> 
     """`cifar_stem`: a 3x3 stride-1 stem conv and no max-pool, the usual ResNet for 32x32 inputs."""
     if width <= 0:
         raise ValueError(f"width multiplier must be > 0, got {width}")
+    from torchvision.models.resnet import BasicBlock  # importing torchvision costs ~2 s of CPU: only a ResNet needs it
+
     inplanes = max(8, int(64 * width))
     if cifar_stem:
         stem = nn.Sequential(
