@@ -48,10 +48,12 @@ TOPICS = Topics(FLEET)
 
 
 class Device:
-    """A scripted device: registers, and answers each open round with base + delta (optionally late)."""
+    """A scripted device: registers, and answers each open round with base + delta (optionally late: `delay`
+    seconds after the round opened, or {round: seconds} for some rounds only)."""
 
     def __init__(self, url: str, name: str, n: int, delta: float, manifest: Manifest, *, protocol: str = "5",
-                 respond: bool = True, delay: float = 0.0, chunk_size: int = 1000, **client_options: str) -> None:
+                 respond: bool = True, delay: float | dict[int, float] = 0.0, chunk_size: int = 1000,
+                 **client_options: str) -> None:
         self.name, self.n, self.delta, self.manifest = name, n, delta, manifest
         self.respond, self.delay, self.chunk_size = respond, delay, chunk_size
         self.errors: list[ErrorMessage] = []
@@ -92,7 +94,8 @@ class Device:
             self.answered.add(info.round)
             if self.respond:
                 base = decode_shared(self.manifest, self.blobs[info.blob_id])
-                threading.Timer(self.delay, self.send, (info.round, base)).start()
+                delay = self.delay.get(info.round, 0.0) if isinstance(self.delay, dict) else self.delay
+                threading.Timer(delay, self.send, (info.round, base)).start()
 
     def update(self, base: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {k: (v + np.float32(self.delta)).astype(v.dtype) for k, v in base.items()}

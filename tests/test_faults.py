@@ -112,14 +112,14 @@ def test_agents_killed_mid_upload_and_mid_training_rejoin_without_double_countin
 
 def test_broker_restart_mid_round_loses_and_doubles_nothing(mosquitto, tmp_path: Path) -> None:
     """Mosquitto (no persistence: retained messages and sessions die with it) restarts while round 2
-    waits for "slow" (its update comes 3 s after the round opened); the coordinator and the devices
+    waits for "slow" (its round-2 update comes 3 s after the round opened); the coordinator and the devices
     reconnect, the coordinator re-announces, and the final model is the closed-form weighted mean
     with every update counted once."""
     manifest, initial = tiny_manifest(), tiny_tensors()
     thread, coordinator = run_in_thread(mosquitto.url, tmp_path, manifest, initial, rounds=3, min_clients=3,
                                         round_timeout=30)
     devices = [Device(mosquitto.url, "a", 10, 1.0, manifest), Device(mosquitto.url, "b", 30, -0.5, manifest),
-               Device(mosquitto.url, "slow", 60, 0.25, manifest, delay=3.0)]
+               Device(mosquitto.url, "slow", 60, 0.25, manifest, delay={2: 3.0})]
     wait_for(lambda: coordinator.round.number == 2 and len(coordinator.round.folded) == 2, 30, "round 2 under way")
     mosquitto.restart()
     thread.join(40)
