@@ -101,6 +101,12 @@ def mosquitto(mosquitto_factory: Callable[..., Broker]) -> Broker:
     return mosquitto_factory()
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """test_install_resolve's tests last (a stable sort: the rest keep their order): they read the pip resolves
+    that install_resolves_under_way starts with the session, which take minutes; earlier, a worker waits for them."""
+    items.sort(key=lambda item: item.path.name == "test_install_resolve.py")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def install_resolves_under_way(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> None:
     """test_install_resolve's pip resolves, started as the session starts when its tests are selected: they take
