@@ -14,6 +14,7 @@ import socket
 import ssl
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
@@ -316,10 +317,17 @@ def test_fleets_on_one_broker_stay_apart(broker) -> None:
             for topic in retained:
                 if topic.startswith(f"fedper/v1/{fleet}/"):
                     client.publish(topic, f"{fleet} says".encode(), qos=1, retain=True).wait_for_publish(5)
-        for user, own, other in (("dev-x", "farm", "lab"), ("dev-a", "lab", "farm")):
-            heard = mosquitto_client("mosquitto_sub", broker, user, "-F", "%t", "-q", "1", "-W", "2", "-t", "#",
-                                     "-t", f"fedper/v1/{other}/#", "-t", f"fedper/v1/{other}/round",
-                                     "-t", f"fedper/v1/{other}/model/#", "-t", "fedper/v1/+/state")
+        listeners = (("dev-x", "farm", "lab"), ("dev-a", "lab", "farm"))
+
+        def listen(listener: tuple[str, str, str]) -> subprocess.CompletedProcess:
+            user, _, other = listener
+            return mosquitto_client("mosquitto_sub", broker, user, "-F", "%t", "-q", "1", "-W", "2", "-t", "#",
+                                    "-t", f"fedper/v1/{other}/#", "-t", f"fedper/v1/{other}/round",
+                                    "-t", f"fedper/v1/{other}/model/#", "-t", "fedper/v1/+/state")
+
+        with ThreadPoolExecutor(len(listeners)) as pool:  # each listens 2 s: side by side
+            heard_by = list(pool.map(listen, listeners))
+        for (_, own, _), heard in zip(listeners, heard_by, strict=True):
             assert "not authori" not in heard.stderr.lower() and "error" not in heard.stderr.lower(), heard.stderr
             topics = set(heard.stdout.splitlines())  # the topics only: earlier tests left binary model chunks
             assert {t for t in retained if t.startswith(f"fedper/v1/{own}/")} <= topics, heard
@@ -329,8 +337,8 @@ def test_fleets_on_one_broker_stay_apart(broker) -> None:
                 sent = mosquitto_client("mosquitto_pub", broker, "dev-y", "-q", "1", "-t", f"fedper/v1/{fleet}/{topic}",
                                         "-m", f"dev-y to {fleet}")
                 assert fleet != "farm" or sent.returncode == 0, sent.stderr
+        time.sleep(1.0)  # for what must not arrive: whatever would reach either coordinator has by now
         for fleet, (_, inbox, _) in coordinators.items():
-            settle(inbox, 99, 1.0)
             heard = {topic for topic, _ in inbox}
             assert heard and all(topic.startswith(f"fedper/v1/{fleet}/") for topic in heard), (fleet, heard)
         assert not [m for m in coordinators["lab"][1] if m[1] == b"dev-y to lab"]  # farm's device reached no one
