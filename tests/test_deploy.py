@@ -127,8 +127,10 @@ def test_devices_write_only_their_own_topics(broker) -> None:
     dev_a, _, _ = connect(broker, "dev-a")
     dev_a.publish(f"{FLEET}/update/dev-a", b"mine", qos=1).wait_for_publish(2)
     dev_a.publish(f"{FLEET}/update/dev-b", b"forged", qos=1).wait_for_publish(2)
-    settle(coordinator_inbox, 2)
-    assert coordinator_inbox == [(f"{FLEET}/update/dev-a", b"mine")]
+    # Mosquitto delivers to a subscriber in the order it took the messages: once this one is in, so is the forged
+    dev_a.publish(f"{FLEET}/update/dev-a", b"after", qos=1).wait_for_publish(2)
+    settle(coordinator_inbox, 2)  # a forged one would come before "after": then "after" is not among these
+    assert coordinator_inbox == [(f"{FLEET}/update/dev-a", b"mine"), (f"{FLEET}/update/dev-a", b"after")]
     for c in (coordinator, dev_a):
         c.loop_stop()
         c.disconnect()
@@ -144,9 +146,11 @@ def test_devices_read_only_what_is_meant_for_them(broker) -> None:
     coordinator.publish(f"{FLEET}/error/dev-a", b"for a", qos=1).wait_for_publish(2)
     coordinator.publish(f"{FLEET}/error/dev-b", b"for b", qos=1).wait_for_publish(2)
     coordinator.publish(f"{FLEET}/round", b"round 1", qos=1).wait_for_publish(2)
-    settle(b_inbox, 2)
-    time.sleep(0.3)
-    assert sorted(b_inbox) == [(f"{FLEET}/error/dev-b", b"for b"), (f"{FLEET}/round", b"round 1")]
+    # Mosquitto delivers to a subscriber in the order it took the messages: once this one is in, so is the rest
+    coordinator.publish(f"{FLEET}/error/dev-b", b"after", qos=1).wait_for_publish(2)
+    settle(b_inbox, 3)  # one not meant for dev-b would come before "after": then "after" is not among these
+    assert sorted(b_inbox) == [(f"{FLEET}/error/dev-b", b"after"), (f"{FLEET}/error/dev-b", b"for b"),
+                               (f"{FLEET}/round", b"round 1")]
     for c in (coordinator, dev_a, dev_b):
         c.loop_stop()
         c.disconnect()
