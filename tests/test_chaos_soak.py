@@ -348,10 +348,10 @@ def test_checker_finds_an_agents_head_on_the_wire(tmp_path: Path) -> None:
                     reason="mosquitto not installed (apt-get install mosquitto)")
 @pytest.mark.long
 def test_quick_soak_finds_no_violation(tmp_path: Path) -> None:
-    """Async (scripted only) and sync modes (sync with its 2 real agents, joining when they are up), 15 s without
-    faults and 30 s with coordinator SIGKILLs, broker restarts, device groups and agents killed with SIGKILL,
-    devices leaving (some mid-upload), network cuts and, with libfaketime, clock jumps; the command exits 1 on any
-    violation."""
+    """Async (scripted only) and sync modes side by side (sync with its 2 real agents, joining when they are up),
+    15 s without faults and 30 s with coordinator SIGKILLs, broker restarts, device groups and agents killed with
+    SIGKILL, devices leaving (some mid-upload), network cuts and, with libfaketime, clock jumps; the command exits 1
+    on any violation."""
     done = subprocess.run([sys.executable, str(BENCH / "chaos_soak.py"), "--quick", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
