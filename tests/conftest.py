@@ -101,17 +101,20 @@ def mosquitto(mosquitto_factory: Callable[..., Broker]) -> Broker:
     return mosquitto_factory()
 
 
+RESOLVE_TESTS = "test_install_resolve.py"  # the pip resolves' tests: their resolves start with the session
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """test_install_resolve's tests last (a stable sort: the rest keep their order): they read the pip resolves
-    that install_resolves_under_way starts with the session, which take minutes; earlier, a worker waits for them."""
-    items.sort(key=lambda item: item.path.name == "test_install_resolve.py")
+    """The resolves' tests last (a stable sort: the rest keep their order): they read the pip resolves that
+    install_resolves_under_way starts with the session, which take minutes; earlier, a worker waits for them."""
+    items.sort(key=lambda item: item.path.name == RESOLVE_TESTS)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def install_resolves_under_way(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> None:
     """test_install_resolve's pip resolves, started as the session starts when its tests are selected: they take
     minutes, mostly waiting on the index, and so run beside the other tests instead of holding a worker."""
-    if any(item.path.name == "test_install_resolve.py" for item in request.session.items):
+    if any(item.path.name == RESOLVE_TESTS for item in request.session.items):
         from test_install_resolve import start_resolving
 
         start_resolving(tmp_path_factory)
