@@ -158,7 +158,10 @@ class MiniMqtt:
     def _packet_id(self) -> tuple[int, asyncio.Future[None]]:
         self._next_id = self._next_id % 65535 + 1
         future = asyncio.get_running_loop().create_future()
-        self._acks[self._next_id] = future
+        if self.closed.is_set():  # the reader has ended: no acknowledgement can come
+            future.set_exception(ConnectionError("connection lost"))
+        else:
+            self._acks[self._next_id] = future
         return self._next_id, future
 
     async def subscribe(self, topics: list[str]) -> None:
@@ -227,28 +230,31 @@ async def _devices(host: str, port: int, indices: list[int], floats: int, train_
     gate = asyncio.Semaphore(CONNECTS_IN_FLIGHT)
     busy: set[asyncio.Task[None]] = set()
 
-    async def answer(client: MiniMqtt, index: int, round_: int) -> None:
+    async def answer(client: MiniMqtt, index: int, round_: int, training: asyncio.Lock) -> None:
+        """Train and upload, one round at a time per device: a late answer to an earlier round that vanishes
+        must not drop the socket under this round's upload once the broker has taken it."""
         name = client.client_id
-        await asyncio.sleep(random.uniform(0, train_s))
-        if random.Random(f"{name}/{round_}").random() < VANISH:
-            report.vanished.setdefault(round_, []).append(name)
-            client.abort()
-            return
-        n, value = device_plan(index)
-        blob = encode_shared(manifest, filled(manifest, float(value)))
-        meta = UpdateMeta(round_, n, manifest.base_digest, {"accuracy": float(value)}).to_dict()
-        frames = chunk(blob, chunk_size, f"r{round_}-{name}", meta)
-        acks = [client.publish(topics.update(name), frame) for frame in frames]
-        report.published += len(frames)
-        try:
-            await asyncio.gather(*acks)
+        async with training:
+            await asyncio.sleep(random.uniform(0, train_s))
+            if random.Random(f"{name}/{round_}").random() < VANISH:
+                report.vanished.setdefault(round_, []).append(name)
+                client.abort()
+                return
+            n, value = device_plan(index)
+            blob = encode_shared(manifest, filled(manifest, float(value)))
+            meta = UpdateMeta(round_, n, manifest.base_digest, {"accuracy": float(value)}).to_dict()
+            frames = chunk(blob, chunk_size, f"r{round_}-{name}", meta)
+            acks = [client.publish(topics.update(name), frame) for frame in frames]
+            try:
+                await asyncio.gather(*acks)
+            except ConnectionError:  # it vanished in an earlier round's answer: nothing was written
+                return
+            report.published += len(frames)
             report.sent.setdefault(round_, []).append(name)
-        except ConnectionError:
-            pass
 
     def device(index: int) -> MiniMqtt:
         state: dict[str, Any] = {"open": 0, "invited": 0, "answered": 0}
-        client = MiniMqtt(f"dev-{index:05d}")
+        client, training = MiniMqtt(f"dev-{index:05d}"), asyncio.Lock()
 
         def on_message(topic: str, payload: bytes) -> None:
             if not payload:
@@ -263,7 +269,7 @@ async def _devices(host: str, port: int, indices: list[int], floats: int, train_
                 return
             if state["invited"] == state["open"] > state["answered"]:  # the invitation of the open round
                 state["answered"] = state["open"]
-                task = asyncio.create_task(answer(client, index, state["open"]))
+                task = asyncio.create_task(answer(client, index, state["open"], training))
                 busy.add(task)
                 task.add_done_callback(busy.discard)
 
